@@ -1,0 +1,101 @@
+"""The CPU compatibility layer: lets megatron-core run on CPU with the gloo backend.
+
+megatron-core assumes CUDA in a handful of places. On a machine without CUDA we patch exactly
+those, and nothing else; `apply()` is a no-op when CUDA is available, so GPU runs execute
+megatron-core untouched. The patches (each tied to a call site in megatron-core 0.16.1):
+
+1. `torch.cuda.current_device()` returns "cpu": megatron allocates buffers with
+   `device=torch.cuda.current_device()` (tensor_parallel, p2p communication, rotary embedding).
+2. `torch.cuda.synchronize()` is a no-op (timers, schedules).
+3. The pipeline schedules create `torch.zeros(..., device="cuda")` for the token counter, and
+   the unfused softmax builds its default causal mask with `device="cuda"`: those functions run
+   under a torch-function mode that maps a "cuda" device argument to "cpu". The mode is scoped
+   to those calls only, so other code (vLLM, our own) never pays for it.
+
+What is left out: fp16/bf16 optimizer wrappers and the distributed optimizer, which check for
+`torch.cuda.*Tensor` types; on CPU we train in fp32 with `use_distributed_optimizer=False`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+class CudaToCpuDeviceMode(TorchFunctionMode):
+    """Rewrites `device="cuda"` keyword arguments of torch calls to "cpu"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _on_cpu_devices(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with CudaToCpuDeviceMode():
+            return fn(*args, **kwargs)
+
+    wrapper.__megatron_rl_cpu_compat__ = True
+    return wrapper
+
+
+def _wrap_attr(module: Any, name: str) -> None:
+    fn = getattr(module, name)
+    if not getattr(fn, "__megatron_rl_cpu_compat__", False):
+        setattr(module, name, _on_cpu_devices(fn))
+
+
+def apply() -> bool:
+    """Patch megatron-core for CPU execution when CUDA is absent.
+
+    Returns True when the layer is (or already was) active, False on a CUDA machine, where
+    nothing is touched. Idempotent.
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils as transformer_utils
+
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        _wrap_attr(schedules, name)
+    # fused_softmax imported the mask builders by name, so patch both bindings.
+    for module in (transformer_utils, fused_softmax):
+        _wrap_attr(module, "get_default_causal_mask")
+        _wrap_attr(module, "get_sliding_window_causal_mask")
+
+    _APPLIED = True
+    return True
+
+
+def is_active() -> bool:
+    """Whether the CPU compatibility layer has been applied in this process."""
+    return _APPLIED

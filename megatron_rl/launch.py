@@ -1,0 +1,122 @@
+"""Launch a module or script under torchrun on this machine, with a hard time limit.
+
+Used by the tests and the demo. On a timeout the whole process tree is killed: torchrun
+starts each worker in a session of its own, so killing torchrun's process group alone would
+orphan hung ranks (and their open stdout would block us forever). On failure the error
+carries torchrun's output, which includes the failing rank's traceback (workers decorate
+their entry with `torch.distributed.elastic.multiprocessing.errors.record`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TorchrunError(RuntimeError):
+    """A torchrun job failed or timed out; the message holds the end of its output."""
+
+
+@dataclass(frozen=True)
+class TorchrunResult:
+    returncode: int
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(text: str, chars: int = 12000) -> str:
+    return text if len(text) <= chars else "...\n" + text[-chars:]
+
+
+def _kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM torchrun (it forwards to its workers), then SIGKILL whatever is left."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_torchrun(
+    target: str,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    timeout: float = 600,
+    module: bool = True,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    echo: bool = False,
+) -> TorchrunResult:
+    """Run `python -m torch.distributed.run --nproc-per-node=nproc [-m] target args...`.
+
+    Raises TorchrunError when the job exits non-zero or outlives `timeout` seconds.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+    ]
+    cmd += ["-m", target] if module else [target]
+    cmd += list(args)
+    full_env = {
+        **os.environ,
+        # One intra-op thread per rank: more ranks than cores otherwise thrash on 2-core CI.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        output, _ = proc.communicate()
+        raise TorchrunError(
+            f"torchrun {target} timed out after {timeout:.0f}s and was killed; output:\n"
+            + _tail(output or "")
+        ) from None
+    if echo:
+        print(output, end="")
+    if proc.returncode != 0:
+        raise TorchrunError(
+            f"torchrun {target} exited with {proc.returncode}; output:\n" + _tail(output)
+        )
+    return TorchrunResult(proc.returncode, output)

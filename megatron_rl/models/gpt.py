@@ -1,0 +1,194 @@
+"""Megatron-core GPTModel builders for Qwen2/Llama-family architectures.
+
+`build_gpt_model_chunks(arch, layout)` returns this rank's model chunks (one per virtual
+pipeline stage): RMSNorm, SwiGLU, RoPE with the Hugging Face theta, GQA, optional QKV bias.
+
+Layer specs: the Transformer Engine spec when TE is importable and CUDA is present (fused
+norm+linear, FP8-capable), otherwise megatron-core's local spec with our `RMSNorm`, which
+unlike megatron's torch-norm wrapper supports sequence parallelism (its weight is tagged
+`sequence_parallel`, so Megatron all-reduces its gradient across the TP group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.platform import ParallelLayout
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm for megatron-core's local spec, usable with sequence parallelism.
+
+    Computes in fp32 like Hugging Face's Qwen2/Llama RMSNorm, then casts back.
+    Input [s, b, h] (or any [..., h]); output has the same shape and dtype.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+        )
+        # Under SP each TP rank sees a different slice of the sequence, so the weight's
+        # gradient is partial per rank; Megatron all-reduces params carrying this tag.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def _init_device(config) -> torch.device:
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports and a CUDA device is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Parameter dtype of the model (bf16 on GPU clusters, fp32 on CPU)."""
+
+    params_dtype: torch.dtype = torch.float32
+
+    @property
+    def bf16(self) -> bool:
+        return self.params_dtype == torch.bfloat16
+
+
+def transformer_config(
+    arch: ModelArchitecture,
+    layout: ParallelLayout,
+    precision: PrecisionConfig | None = None,
+):
+    """The megatron-core TransformerConfig for `arch` under `layout`."""
+    from megatron.core.transformer import TransformerConfig
+
+    precision = precision or PrecisionConfig()
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_method_std,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        sequence_parallel=layout.sequence_parallel,
+        context_parallel_size=layout.context_parallel_size,
+        params_dtype=precision.params_dtype,
+        pipeline_dtype=precision.params_dtype,
+        bf16=precision.bf16,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need apex/TE/CUDA kernels; off keeps one code path on CPU and GPU alike.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def layer_spec(use_transformer_engine: bool | None = None):
+    """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return spec
+
+
+def _block_spec(config, layer, vp_stage: int | None, use_transformer_engine: bool):
+    """The decoder block for this stage, with the final norm matching the layer spec."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if use_transformer_engine:
+        return layer  # megatron picks TENorm for the final norm itself
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
+
+
+def build_gpt_model_chunks(
+    arch: ModelArchitecture,
+    layout: ParallelLayout,
+    precision: PrecisionConfig | None = None,
+    *,
+    use_transformer_engine: bool | None = None,
+    max_sequence_length: int | None = None,
+) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
+
+    Requires `megatron_rl.platform.initialize` to have run. Weights are randomly initialised
+    (deterministically from the seed); load real ones with `megatron_rl.models.hf_mapping`.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    config = transformer_config(arch, layout, precision)
+    layer = layer_spec(use_transformer_engine)
+    vpp = layout.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=_block_spec(config, layer, vp_stage, use_transformer_engine),
+            vocab_size=arch.padded_vocab_size(layout.tensor_model_parallel_size),
+            max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks
+
+
+def layer_offset(model_chunk) -> int:
+    """Global index of the chunk's first decoder layer (PP and virtual PP aware)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model_chunk.config, vp_stage=model_chunk.vp_stage)

@@ -1,0 +1,183 @@
+"""Hugging Face <-> Megatron names and tensor layouts for Qwen2/Llama-family models.
+
+This is the one place that knows how HF tensors map onto megatron-core's GPTModel; the
+checkpoint converters and the Megatron -> vLLM weight sync build on it.
+
+Megatron layouts (per TP rank r of tp ranks):
+- `linear_qkv` [groups/tp * (heads_per_group + 2) * head_dim, hidden]: for each query
+  group, its query heads, then its key head, then its value head. TP splits whole groups, so
+  the full fused tensor is chunked contiguously along dim 0.
+- `linear_fc1` [2 * ffn/tp, hidden]: rank r holds [gate_r; up_r] (gate and up each chunked
+  along dim 0), so the full tensor is NOT a contiguous chunk of [gate; up].
+- column-parallel (fused qkv, fc1, embedding, output layer) split dim 0; row-parallel
+  (`linear_proj`, `linear_fc2`) split dim 1; norms are replicated.
+- vocabulary rows are padded to `arch.padded_vocab_size(tp)` with zeros.
+
+Layer names are local to a pipeline chunk (`decoder.layers.0` is the chunk's first layer);
+`layer_offset` turns them into global HF indices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron per-layer suffix -> HF per-layer suffix, for tensors that map one to one.
+# Both the local spec's separate norms and TE's fused layer_norm_weight names are listed.
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+}
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchitecture):
+    """[heads*d, ...], [groups*d, ...], [groups*d, ...] -> Megatron fused qkv [groups*(hpg+2)*d, ...]."""
+    g, d, hpg = arch.num_query_groups, arch.head_dim, arch.heads_per_group
+    rest = q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(g, hpg * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1
+    )
+    return fused.reshape(g * (hpg + 2) * d, *rest)
+
+
+def split_qkv(fused: torch.Tensor, arch: ModelArchitecture):
+    """Inverse of `fuse_qkv`: Megatron fused qkv -> (q, k, v) in HF layout."""
+    g, d, hpg = arch.num_query_groups, arch.head_dim, arch.heads_per_group
+    rest = fused.shape[1:]
+    grouped = fused.reshape(g, (hpg + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
+    return q.reshape(g * hpg * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+
+
+def fc1_shard(gate: torch.Tensor, up: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s Megatron linear_fc1 shard: [gate_r; up_r]."""
+    return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]], dim=0)
+
+
+def split_fc1_shards(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `fc1_shard` over all TP ranks: the shards -> full (gate, up)."""
+    halves = [s.chunk(2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+
+
+def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """Zero-pad a [vocab, hidden] matrix to [padded_rows, hidden]."""
+    extra = padded_rows - weight.shape[0]
+    if extra < 0:
+        raise ValueError(f"vocabulary of {weight.shape[0]} rows exceeds padded size {padded_rows}")
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])]) if extra else weight
+
+
+def megatron_shard_from_hf(
+    name: str,
+    get_hf: Callable[[str], torch.Tensor],
+    arch: ModelArchitecture,
+    tp_rank: int,
+    tp_size: int,
+    layer_offset: int = 0,
+) -> torch.Tensor:
+    """The local TP shard of Megatron parameter `name`, built from HF tensors.
+
+    `get_hf(hf_name)` returns a full HF tensor. Raises KeyError for a name this mapping does
+    not know, so nothing is silently left at its random initialisation.
+    """
+
+    def column(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp_size, dim=0)[tp_rank]
+
+    def row(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(tp_size, dim=1)[tp_rank]
+
+    vocab_rows = arch.padded_vocab_size(tp_size)
+    if name == "embedding.word_embeddings.weight":
+        return column(pad_vocab(get_hf("model.embed_tokens.weight"), vocab_rows))
+    if name == "output_layer.weight":
+        hf = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        return column(pad_vocab(get_hf(hf), vocab_rows))
+    if name == "decoder.final_layernorm.weight":
+        return get_hf("model.norm.weight")
+
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
+    prefix = f"model.layers.{int(match.group(1)) + layer_offset}."
+    suffix = match.group(2)
+    if suffix in _LAYER_DIRECT:
+        return get_hf(prefix + _LAYER_DIRECT[suffix])
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        qkv = [get_hf(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"]
+        return column(fuse_qkv(*qkv, arch))
+    if suffix == "self_attention.linear_proj.weight":
+        return row(get_hf(prefix + "self_attn.o_proj.weight"))
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = get_hf(prefix + "mlp.gate_proj.weight"), get_hf(prefix + "mlp.up_proj.weight")
+        return fc1_shard(gate, up, tp_rank, tp_size)
+    if suffix == "mlp.linear_fc2.weight":
+        return row(get_hf(prefix + "mlp.down_proj.weight"))
+    raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
+
+
+class HFCheckpointReader:
+    """Reads tensors by name from a Hugging Face safetensors checkpoint, lazily, one at a time."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        self.hf_dir = Path(hf_dir)
+        index = self.hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = self.hf_dir / "model.safetensors"
+            if not single.exists():
+                raise FileNotFoundError(f"no model.safetensors(.index.json) in {self.hf_dir}")
+            with safe_open(single, framework="pt") as f:
+                weight_map = {k: single.name for k in f.keys()}
+        self._weight_map = weight_map
+        self._open = safe_open
+
+    def keys(self) -> list[str]:
+        return list(self._weight_map)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._weight_map:
+            raise KeyError(f"{self.hf_dir}: checkpoint has no tensor {name!r}")
+        with self._open(self.hf_dir / self._weight_map[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, arch: ModelArchitecture) -> None:
+    """Copy an HF checkpoint's weights into this rank's Megatron model chunks, in place.
+
+    Every parameter must be mapped and shape-matched; a mismatch names the parameter and both
+    shapes.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.gpt import layer_offset
+
+    reader = HFCheckpointReader(hf_dir)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for chunk in model_chunks:
+        offset = layer_offset(chunk)
+        for name, param in chunk.named_parameters():
+            shard = megatron_shard_from_hf(name, reader, arch, tp_rank, tp_size, offset)
+            if shard.shape != param.shape:
+                raise ValueError(
+                    f"{reader.hf_dir}: parameter {name} expects shape {tuple(param.shape)}, "
+                    f"the checkpoint gives {tuple(shard.shape)}"
+                )
+            param.copy_(shard)

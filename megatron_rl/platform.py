@@ -1,0 +1,203 @@
+"""One entry to bring up a process: torch.distributed, Megatron's parallel state, the RNG.
+
+`initialize(layout)` is what every distributed entry point calls first. It
+1. validates the parallel layout against the world size and the model (before any process
+   group exists, so a bad layout costs nothing and names the numbers),
+2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.cpu_compat`),
+3. initialises torch.distributed (NCCL on GPU, gloo on CPU) from torchrun's environment,
+4. builds Megatron's TP/PP/DP groups (`parallel_state.initialize_model_parallel`),
+5. seeds torch and Megatron's model-parallel RNG tracker.
+
+Context parallelism and expert parallelism stay at 1 for now; the layout carries the
+fields so callers do not change when they arrive.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world is split (Megatron naming, as in verl/NeMo-RL configs)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that shard each weight matrix (attention heads, MLP columns, vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: ranks that each hold a contiguous slice of the layers."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per PP rank for the interleaved 1F1B schedule (None = plain 1F1B)."""
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the sequence across the TP group."""
+    context_parallel_size: int = 1
+    """CP: reserved; must be 1 in this version."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def validate(self, world_size: int, arch: ModelArchitecture | None = None) -> None:
+        """Raise ValueError, naming the numbers, if this layout cannot run.
+
+        Checked before any process group is created.
+        """
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        vpp, cp = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
+        for name, value in (
+            ("tensor_model_parallel_size", tp),
+            ("pipeline_model_parallel_size", pp),
+            ("context_parallel_size", cp),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if cp != 1:
+            raise ValueError(f"context_parallel_size={cp} is not supported yet; use 1")
+        if world_size % (tp * pp * cp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by "
+                f"tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} = {tp * pp}"
+            )
+        if vpp is not None:
+            if pp < 2:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size={vpp} needs "
+                    f"pipeline_model_parallel_size >= 2, got {pp}"
+                )
+            if vpp < 1:
+                raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
+        if self.sequence_parallel and tp < 2:
+            raise ValueError(
+                f"sequence_parallel=True needs tensor_model_parallel_size >= 2, got {tp}"
+            )
+        if arch is not None:
+            arch.check_divisible(tp, pp * (vpp or 1))
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """What a rank knows about itself after `initialize`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    layout: ParallelLayout
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    dp_size: int
+    cpu_compat: bool
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        return self.pp_rank == self.layout.pipeline_model_parallel_size - 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+def initialize(
+    layout: ParallelLayout,
+    *,
+    arch: ModelArchitecture | None = None,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> DistributedContext:
+    """Initialise torch.distributed, Megatron parallel state and the RNG for this rank.
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as set by torchrun; a
+    single process without them runs as world size 1.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    layout.validate(world_size, arch)
+
+    from megatron_rl import cpu_compat
+
+    compat = cpu_compat.apply()
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+        # On CPU the default group already is gloo; duplicates would only cost sockets.
+        create_gloo_process_groups=use_cuda,
+    )
+
+    torch.manual_seed(seed)
+    if use_cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        # No CUDA generators to fork: the inference tracker's forks are no-ops, which is
+        # exact for dropout 0 (the RL default).
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    return DistributedContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        layout=layout,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        cpu_compat=compat,
+    )
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

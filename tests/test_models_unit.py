@@ -1,0 +1,130 @@
+"""Unit tier: architecture parsing and the HF <-> Megatron layout functions."""
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.models import hf_mapping
+from megatron_rl.models.architecture import ModelArchitecture
+
+
+def arch(**overrides):
+    base = dict(
+        model_type="qwen2",
+        num_layers=2,
+        hidden_size=8,
+        ffn_hidden_size=6,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=1,
+        vocab_size=10,
+        max_position_embeddings=32,
+        rope_theta=1e4,
+        norm_epsilon=1e-6,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+    )
+    return ModelArchitecture(**{**base, **overrides})
+
+
+def test_from_hf_config_reads_qwen2(tiny_model_dir):
+    a = ModelArchitecture.from_hf_config(tiny_model_dir)
+    assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.num_query_groups) == (
+        4,
+        128,
+        4,
+        2,
+    )
+    assert a.head_dim == 32 and a.qkv_bias and not a.tie_word_embeddings
+    assert a.rope_theta == 10000.0 and a.vocab_size == 500
+
+
+def test_from_hf_config_rejects_unknown_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"config.json: model_type='gpt2' is not supported"):
+        ModelArchitecture.from_hf_config(tmp_path)
+
+
+def test_from_hf_config_names_missing_field(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_attention_heads": 4})
+    )
+    with pytest.raises(ValueError, match="missing field 'hidden_size'"):
+        ModelArchitecture.from_hf_config(tmp_path)
+
+
+def test_padded_vocab():
+    assert arch(vocab_size=500).padded_vocab_size(tp=1) == 512
+    assert arch(vocab_size=500).padded_vocab_size(tp=2) == 512
+    assert arch(vocab_size=513).padded_vocab_size(tp=2) == 768
+
+
+def test_fuse_qkv_interleaves_per_query_group():
+    a = arch()  # 2 groups of 2 query heads, head_dim 1
+    q = torch.tensor([[0.0], [1.0], [2.0], [3.0]])
+    k = torch.tensor([[10.0], [11.0]])
+    v = torch.tensor([[20.0], [21.0]])
+    fused = hf_mapping.fuse_qkv(q, k, v, a)
+    assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    for x, y in zip(hf_mapping.split_qkv(fused, a), (q, k, v), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_qkv_round_trip_random_and_bias():
+    a = arch(hidden_size=64, num_attention_heads=8, num_query_groups=2, head_dim=8)
+    q, k, v = torch.randn(64, 64), torch.randn(16, 64), torch.randn(16, 64)
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(
+            hf_mapping.split_qkv(hf_mapping.fuse_qkv(q, k, v, a), a), (q, k, v), strict=True
+        )
+    )
+    qb, kb, vb = torch.randn(64), torch.randn(16), torch.randn(16)
+    assert hf_mapping.fuse_qkv(qb, kb, vb, a).shape == (96,)
+
+
+def test_fc1_shards_hold_gate_then_up_per_rank():
+    gate, up = torch.arange(4.0).unsqueeze(1), torch.arange(10.0, 14.0).unsqueeze(1)
+    s0, s1 = (hf_mapping.fc1_shard(gate, up, r, 2) for r in range(2))
+    assert s0.flatten().tolist() == [0, 1, 10, 11] and s1.flatten().tolist() == [2, 3, 12, 13]
+    g, u = hf_mapping.split_fc1_shards([s0, s1])
+    assert torch.equal(g, gate) and torch.equal(u, up)
+
+
+def test_unknown_megatron_name_is_an_error():
+    with pytest.raises(KeyError, match="decoder.layers.0.self_attention.mystery.weight"):
+        hf_mapping.megatron_shard_from_hf(
+            "decoder.layers.0.self_attention.mystery.weight", lambda n: None, arch(), 0, 1
+        )
+
+
+def test_layer_offset_maps_local_to_global_hf_layer():
+    seen = []
+    hf_mapping.megatron_shard_from_hf(
+        "decoder.layers.1.input_layernorm.weight",
+        lambda n: seen.append(n) or torch.ones(8),
+        arch(),
+        0,
+        1,
+        layer_offset=2,
+    )
+    assert seen == ["model.layers.3.input_layernorm.weight"]
+
+
+def test_tied_output_layer_reads_embeddings():
+    seen = []
+    get = lambda n: seen.append(n) or torch.ones(10, 8)  # noqa: E731
+    out = hf_mapping.megatron_shard_from_hf(
+        "output_layer.weight", get, arch(tie_word_embeddings=True), 1, 2
+    )
+    # 10 rows padded to 128 * tp = 256; rank 1 holds rows 128..255, all padding.
+    assert seen == ["model.embed_tokens.weight"] and out.shape == (128, 8)
+    assert out.abs().sum() == 0
+
+
+def test_reader_names_missing_tensor(tiny_model_dir):
+    reader = hf_mapping.HFCheckpointReader(tiny_model_dir)
+    assert "model.embed_tokens.weight" in reader.keys()
+    with pytest.raises(KeyError, match="checkpoint has no tensor 'nope'"):
+        reader("nope")

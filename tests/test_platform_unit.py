@@ -1,0 +1,86 @@
+"""Unit tier: parallel-layout validation and the CPU compatibility layer."""
+
+import pytest
+import torch
+
+from megatron_rl import cpu_compat, platform
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.platform import ParallelLayout
+
+
+def test_world_size_not_divisible_names_the_numbers():
+    with pytest.raises(ValueError, match=r"world size 3 .* 2 \* 1 = 2"):
+        ParallelLayout(tensor_model_parallel_size=2).validate(world_size=3)
+
+
+def test_tp_must_divide_heads_and_kv_heads(tiny_model_dir):
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 heads, 2 KV heads
+    with pytest.raises(
+        ValueError, match="tensor_model_parallel_size=4 does not divide num_key_value_heads=2"
+    ):
+        ParallelLayout(tensor_model_parallel_size=4).validate(world_size=4, arch=arch)
+    with pytest.raises(
+        ValueError, match="tensor_model_parallel_size=3 does not divide num_attention_heads=4"
+    ):
+        ParallelLayout(tensor_model_parallel_size=3).validate(world_size=3, arch=arch)
+
+
+def test_layers_must_split_over_pipeline_chunks(tiny_model_dir):
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 layers
+    layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)
+    with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by .* = 8"):
+        layout.validate(world_size=2, arch=arch)
+    ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2).validate(
+        2, arch
+    )
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (
+            ParallelLayout(sequence_parallel=True),
+            "sequence_parallel=True needs tensor_model_parallel_size >= 2",
+        ),
+        (
+            ParallelLayout(virtual_pipeline_model_parallel_size=2),
+            "needs pipeline_model_parallel_size >= 2",
+        ),
+        (
+            ParallelLayout(tensor_model_parallel_size=0),
+            "tensor_model_parallel_size must be a positive integer",
+        ),
+        (ParallelLayout(context_parallel_size=2), "context_parallel_size=2 is not supported"),
+    ],
+)
+def test_bad_layouts(layout, message):
+    with pytest.raises(ValueError, match=message):
+        layout.validate(world_size=4)
+
+
+def test_bad_layout_fails_before_any_process_group(monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="world size 3"):
+        platform.initialize(ParallelLayout(tensor_model_parallel_size=2))
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is inert with CUDA")
+def test_cpu_compat_maps_cuda_factories_only_inside_megatron_schedules():
+    assert cpu_compat.apply() is True
+    assert cpu_compat.apply() is True  # idempotent
+    assert torch.cuda.current_device() == "cpu"
+    with cpu_compat.CudaToCpuDeviceMode():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+
+    assert getattr(schedules.forward_backward_no_pipelining, "__megatron_rl_cpu_compat__", False)
+    mask = fused_softmax.get_default_causal_mask(4)
+    assert mask.device.type == "cpu" and mask.dtype == torch.bool
+    assert mask.tolist()[0] == [False, True, True, True]
+    # Outside the wrapped calls, "cuda" still means CUDA (and fails here): nothing global.
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")

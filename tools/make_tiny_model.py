@@ -1,0 +1,202 @@
+"""Write a tiny random-initialised Qwen2 (or Llama) checkpoint in Hugging Face format.
+
+    python -m tools.make_tiny_model --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
+        --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
+
+The checkpoint is the shared fixture of the tests: safetensors weights, config.json, a
+byte-level BPE tokenizer trained here with `tokenizers` on a small generated corpus, and a
+ChatML chat template. Everything is deterministic given `--seed`. Unlike a fresh HF init,
+every parameter is random, norms and biases included, so a layout bug cannot hide behind
+ones and zeros. The directory appears whole or not at all (temp dir, then rename).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    model_type: str = "qwen2"
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 352
+    vocab_size: int = 500
+    """Rows of the embedding; >= the tokenizer's size and deliberately not a multiple of 128."""
+    tokenizer_vocab: int = 400
+    max_position: int = 1024
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
+        if self.hidden // self.heads < 32:
+            raise ValueError(
+                f"head dim {self.hidden // self.heads} < 32: vLLM's CPU attention refuses it; "
+                "raise --hidden or lower --heads"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}"
+            )
+        if self.tokenizer_vocab > self.vocab_size:
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} is smaller than the tokenizer's {self.tokenizer_vocab}"
+            )
+        if self.model_type not in ("qwen2", "llama"):
+            raise ValueError(f"--model-type {self.model_type!r}: expected qwen2 or llama")
+
+
+def _corpus(seed: int, lines: int = 2000) -> list[str]:
+    """Arithmetic questions and answers, so the tokenizer learns digits, words and \\boxed{}."""
+    rng = random.Random(seed)
+    words = "what is the sum of and plus minus times answer question think step so we get".split()
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op, val = rng.choice([("+", a + b), ("-", a - b), ("*", a * b)])
+        filler = " ".join(rng.choices(words, k=rng.randint(2, 8)))
+        out.append(f"What is {a} {op} {b}? {filler}. The answer is \\boxed{{{val}}}.")
+    return out
+
+
+def build_tokenizer(spec: TinyModelSpec):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.tokenizer_vocab,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(spec: TinyModelSpec, tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[spec.model_type]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = config_cls(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_position,
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tie_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False):
+    """Write the checkpoint to `out` atomically and return its path."""
+    spec = spec or TinyModelSpec()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec)
+    model = build_model(spec, tokenizer)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is meant to be shared
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    d = TinyModelSpec()
+    p.add_argument("--model-type", default=d.model_type, choices=["qwen2", "llama"])
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--intermediate", type=int, default=d.intermediate)
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
+    p.add_argument("--tokenizer-vocab", type=int, default=d.tokenizer_vocab)
+    p.add_argument("--max-position", type=int, default=d.max_position)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        spec = TinyModelSpec(
+            model_type=a.model_type,
+            layers=a.layers,
+            hidden=a.hidden,
+            heads=a.heads,
+            kv_heads=a.kv_heads,
+            intermediate=a.intermediate,
+            vocab_size=a.vocab_size,
+            tokenizer_vocab=a.tokenizer_vocab,
+            max_position=a.max_position,
+            tie_embeddings=a.tie_embeddings,
+            seed=a.seed,
+        )
+        path = make_tiny_model(a.out, spec, overwrite=a.overwrite)
+    except (ValueError, FileExistsError) as e:
+        raise SystemExit(f"make_tiny_model: {e}") from None
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
