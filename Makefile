@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(PY) -m megatron_rl.demo
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
