@@ -42,19 +42,32 @@ def test_tp2_backward_reaches_every_parameter(tp_result):
     assert tp_result["grad_finite"]
 
 
-def test_pp2_one_f_one_b_equals_pp1(tiny_model_dir, tmp_path):
-    run_torchrun(
-        "tests.workers.pp_loss", ["--hf-dir", str(tiny_model_dir), "--out-dir", str(tmp_path)]
-    )
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+@pytest.fixture(scope="module")
+def pp_ranks(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp")
+    run_torchrun("tests.workers.pp_loss", ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out)])
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("phase", ["pp2", "vpp2"])
+def test_pipeline_schedules_equal_pp1(pp_ranks, phase):
+    """1F1B (pp2) and interleaved 1F1B (vpp2): same loss and every gradient as PP=1."""
+    r0, r1 = pp_ranks
     pp1_loss = r0["pp1"]["loss"]
-    assert r0["pp2"]["loss"] is None  # the first stage computes no loss
-    assert abs(r1["pp2"]["loss"] - pp1_loss) <= 1e-6
+    assert r0[phase]["loss"] is None  # the first stage computes no loss
+    assert abs(r1[phase]["loss"] - pp1_loss) <= 1e-6
     # A random 500-token model: next-token CE near ln(500 padded to 512) ~ 6.24.
     assert 5.5 < pp1_loss < 7.0
     pp1 = r0["pp1"]["grads"]
-    pp2 = {**r0["pp2"]["grads"], **r1["pp2"]["grads"]}
-    assert set(r0["pp2"]["grads"]).isdisjoint(r1["pp2"]["grads"])  # stages hold disjoint layers
-    assert pp2.keys() == pp1.keys()
+    staged = {**r0[phase]["grads"], **r1[phase]["grads"]}
+    assert set(r0[phase]["grads"]).isdisjoint(r1[phase]["grads"])  # ranks hold disjoint layers
+    assert staged.keys() == pp1.keys()
     for name, grad in pp1.items():
-        assert (pp2[name] - grad).abs().max() <= 1e-6, name
+        assert (staged[name] - grad).abs().max() <= 1e-6, name
+
+
+def test_virtual_pipeline_interleaves_layers(pp_ranks):
+    def layers(grads):
+        return sorted({int(n.split(".")[2]) for n in grads if n.startswith("decoder.layers.")})
+
+    assert [layers(r["vpp2"]["grads"]) for r in pp_ranks] == [[0, 2], [1, 3]]

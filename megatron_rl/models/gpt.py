@@ -80,6 +80,7 @@ def transformer_config(
 
     precision = precision or PrecisionConfig()
     on_gpu = torch.cuda.is_available()
+    interleaved = layout.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -112,6 +113,12 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Interleaved 1F1B with PP=2: the previous and next stage are the same peer, and the
+        # batched p2p path posts [send_prev, recv_prev, send_next, recv_next], which pairs
+        # activations with gradients of the same shape silently (Megatron-LM #750, #1450).
+        # Unbatched, overlapped p2p keeps forward and backward exchanges apart.
+        overlap_p2p_comm=interleaved,
+        batch_p2p_comm=not interleaved,
     )
 
 

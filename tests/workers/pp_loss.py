@@ -1,9 +1,10 @@
-"""torchrun worker: PP=2 with Megatron's 1F1B schedule gives the loss and gradients of PP=1.
+"""torchrun worker: PP=2 with Megatron's 1F1B schedule, and PP=2 x virtual PP=2 with the
+interleaved schedule, give the loss and gradients of PP=1.
 
-Phase 1 runs PP=1 (each rank holds the whole model), phase 2 PP=2 (one stage per rank), on
-the same batch split into the same micro-batches. Each rank writes
-{"pp1": {"loss", "grads"}, "pp2": {"loss", "grads"}} to --out-dir/rank{r}.pt, gradients
-keyed by global Hugging Face layer index so the two layouts can be compared.
+Phase "pp1" runs PP=1 (each rank holds the whole model), "pp2" PP=2 (one stage per rank),
+"vpp2" PP=2 with two model chunks per rank (layers 0,2 on rank 0; 1,3 on rank 1), all on the
+same batch split into the same micro-batches. Each rank writes {phase: {"loss", "grads"}} to
+--out-dir/rank{r}.pt, gradients keyed by global layer index so layouts can be compared.
 """
 
 import argparse
@@ -51,12 +52,14 @@ def run(layout, arch, hf_dir, batch):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     platform.initialize(layout, arch=arch)
-    (model,) = build_gpt_model_chunks(arch, layout)
-    load_hf_into_megatron([model], hf_dir, arch)
+    chunks = build_gpt_model_chunks(arch, layout)
+    load_hf_into_megatron(chunks, hf_dir, arch)
+    # Every chunk's forward step draws from its own iterator over the same micro-batches.
+    iterators = [iter(batch.split(MICRO_BATCH_SIZE)) for _ in chunks]
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(batch.split(MICRO_BATCH_SIZE)),
-        model=[model],
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks,
         num_microbatches=MICRO_BATCHES,
         seq_length=SEQ,
         micro_batch_size=MICRO_BATCH_SIZE,
@@ -64,8 +67,11 @@ def run(layout, arch, hf_dir, batch):
     )
     # Only the last stage computes the loss; the schedule returns [] elsewhere.
     loss = torch.stack([m["loss"] for m in losses]).mean().item() if losses else None
-    offset = layer_offset(model)
-    grads = {global_name(n, offset): p.grad.clone() for n, p in model.named_parameters()}
+    grads = {
+        global_name(n, layer_offset(chunk)): p.grad.clone()
+        for chunk in chunks
+        for n, p in chunk.named_parameters()
+    }
     parallel_state.destroy_model_parallel()
     return {"loss": loss, "grads": grads}
 
@@ -81,6 +87,14 @@ def main():
     result = {
         "pp1": run(platform.ParallelLayout(), arch, a.hf_dir, batch),
         "pp2": run(platform.ParallelLayout(pipeline_model_parallel_size=2), arch, a.hf_dir, batch),
+        "vpp2": run(
+            platform.ParallelLayout(
+                pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+            ),
+            arch,
+            a.hf_dir,
+            batch,
+        ),
     }
     rank = torch.distributed.get_rank()
     torch.save(result, Path(a.out_dir) / f"rank{rank}.pt")
