@@ -7,10 +7,13 @@ megatron-core untouched. The patches (each tied to a call site in megatron-core 
 1. `torch.cuda.current_device()` returns "cpu": megatron allocates buffers with
    `device=torch.cuda.current_device()` (tensor_parallel, p2p communication, rotary embedding).
 2. `torch.cuda.synchronize()` is a no-op (timers, schedules).
-3. The pipeline schedules create `torch.zeros(..., device="cuda")` for the token counter, and
-   the unfused softmax builds its default causal mask with `device="cuda"`: those functions run
-   under a torch-function mode that maps a "cuda" device argument to "cpu". The mode is scoped
-   to those calls only, so other code (vLLM, our own) never pays for it.
+3. The pipeline schedules create `torch.zeros(..., device="cuda")` for the token counter, the
+   unfused softmax builds its default causal mask with `device="cuda"`, and the fp32
+   optimizer and its gradient-norm helpers allocate scalars on "cuda": those functions run
+   under a torch-function mode that maps a "cuda" device argument to "cpu". The mode is
+   scoped to those calls only, so other code (vLLM, our own) never pays for it.
+4. `clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`; it is
+   replaced by the same scaling written device-agnostically.
 
 What is left out: fp16/bf16 optimizer wrappers and the distributed optimizer, which check for
 `torch.cuda.*Tensor` types; on CPU we train in fp32 with `use_distributed_optimizer=False`.
@@ -62,6 +65,21 @@ def _wrap_attr(module: Any, name: str) -> None:
         setattr(module, name, _on_cpu_devices(fn))
 
 
+def _clip_grad_by_total_norm_fp32(
+    parameters, max_norm, total_norm, use_decoupled_grad: bool = False
+) -> None:
+    """megatron's clip_grad_by_total_norm_fp32 without its CUDA type assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in parameters:
+            grad = getattr(p, attr, None)
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+
+
 def apply() -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent.
 
@@ -77,7 +95,10 @@ def apply() -> bool:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
 
+    import megatron.core.optimizer as optimizer_pkg
     from megatron.core.fusions import fused_softmax
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as optimizer_mod
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
@@ -91,6 +112,13 @@ def apply() -> bool:
     for module in (transformer_utils, fused_softmax):
         _wrap_attr(module, "get_default_causal_mask")
         _wrap_attr(module, "get_sliding_window_causal_mask")
+    _wrap_attr(optimizer_pkg, "get_megatron_optimizer")
+    _wrap_attr(optimizer_mod.FP32Optimizer, "step")
+    # optimizer.py imported the clip helpers by name, so patch both bindings.
+    for module in (clip_grads, optimizer_mod):
+        _wrap_attr(module, "get_grad_norm_fp32")
+        _wrap_attr(module, "count_zeros_fp32")
+        module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
 
     _APPLIED = True
     return True

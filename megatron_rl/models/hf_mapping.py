@@ -128,6 +128,47 @@ def megatron_shard_from_hf(
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
+def hf_tensors_from_megatron(
+    name: str,
+    shards: list[torch.Tensor],
+    arch: ModelArchitecture,
+    layer_offset: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Inverse of `megatron_shard_from_hf`: all TP shards of one Megatron parameter (in TP
+    rank order) -> the HF tensors it holds, vocabulary padding removed.
+
+    Norm weights are replicated: shard 0 is taken. Raises KeyError for unknown names.
+    """
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full = torch.cat(shards, dim=0)[: arch.vocab_size]
+        if name == "output_layer.weight":
+            return {} if arch.tie_word_embeddings else {"lm_head.weight": full}
+        return {"model.embed_tokens.weight": full}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": shards[0]}
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
+    prefix = f"model.layers.{int(match.group(1)) + layer_offset}."
+    suffix = match.group(2)
+    if suffix in _LAYER_DIRECT:
+        return {prefix + _LAYER_DIRECT[suffix]: shards[0]}
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = split_qkv(torch.cat(shards, dim=0), arch)
+        return {
+            f"{prefix}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v), strict=True)
+        }
+    if suffix == "self_attention.linear_proj.weight":
+        return {prefix + "self_attn.o_proj.weight": torch.cat(shards, dim=1)}
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = split_fc1_shards(shards)
+        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+    if suffix == "mlp.linear_fc2.weight":
+        return {prefix + "mlp.down_proj.weight": torch.cat(shards, dim=1)}
+    raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
+
+
 class HFCheckpointReader:
     """Reads tensors by name from a Hugging Face safetensors checkpoint, lazily, one at a time."""
 
@@ -158,11 +199,16 @@ class HFCheckpointReader:
 
 
 @torch.no_grad()
-def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, arch: ModelArchitecture) -> None:
+def load_hf_into_megatron(
+    model_chunks: list,
+    hf_dir: str | Path,
+    arch: ModelArchitecture,
+    skip: set[str] = frozenset(),
+) -> None:
     """Copy an HF checkpoint's weights into this rank's Megatron model chunks, in place.
 
-    Every parameter must be mapped and shape-matched; a mismatch names the parameter and both
-    shapes.
+    Every parameter not named in `skip` must be mapped and shape-matched; a mismatch names
+    the parameter and both shapes.
     """
     from megatron.core import parallel_state
 
@@ -174,6 +220,8 @@ def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, arch: ModelArc
     for chunk in model_chunks:
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
+            if name in skip:
+                continue
             shard = megatron_shard_from_hf(name, reader, arch, tp_rank, tp_size, offset)
             if shard.shape != param.shape:
                 raise ValueError(

@@ -1,0 +1,2 @@
+"""Megatron-side roles: Actor (trains the policy), Critic (trains the value model) and
+ReferencePolicy (forward-only), sharing one schedule runner."""

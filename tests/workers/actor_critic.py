@@ -1,0 +1,99 @@
+"""torchrun worker: the Actor and Critic under several parallel layouts on one global batch.
+
+For each layout in --layouts (run one after another in this job), saves per rank:
+actor gradients (HF names, full tensors) for two loss settings, critic gradients, this DP
+rank's log-probs and values, and the rows they belong to -> --out-dir/{layout}.rank{r}.pt.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatron_rl import platform
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.workers.batch import TrainingBatch
+from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
+from megatron_rl.workers.megatron_model import export_hf_tensors
+from megatron_rl.workers.policy import Actor
+
+# name -> (layout, micro-batches per DP rank)
+LAYOUTS = {
+    "dp1-mb1": (platform.ParallelLayout(), 1),
+    "dp1-mb4": (platform.ParallelLayout(), 4),
+    "dp2-mb2": (platform.ParallelLayout(), 2),
+    "tp2": (platform.ParallelLayout(tensor_model_parallel_size=2), 2),
+    "tp2-sp": (platform.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+    "pp2": (platform.ParallelLayout(pipeline_model_parallel_size=2), 4),
+}
+LOSSES = {
+    "token-mean+nll": PolicyLossConfig(loss_agg_mode="token-mean", nll_coef=0.1),
+    "seq-mean-token-mean": PolicyLossConfig(loss_agg_mode="seq-mean-token-mean"),
+    "entropy+kl": PolicyLossConfig(entropy_coef=0.05, kl_loss_coef=0.1, dual_clip_c=3.0),
+}
+
+
+def global_batch(vocab_size: int, batch: int = 8, seq: int = 24, seed: int = 3) -> TrainingBatch:
+    """Prompts of 3..8 tokens, responses of 1..(rest) tokens, right padding."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    mask = torch.zeros(batch, seq)
+    for i in range(batch):
+        prompt = int(torch.randint(3, 9, (1,), generator=g))
+        length = 1 if i == 2 else int(torch.randint(1, seq - prompt + 1, (1,), generator=g))
+        mask[i, prompt : prompt + length] = 1
+    return TrainingBatch(
+        input_ids=input_ids,
+        response_mask=mask,
+        old_logprobs=-2 - 5 * torch.rand(batch, seq, generator=g),
+        ref_logprobs=-6 + 0.3 * torch.randn(batch, seq, generator=g),
+        advantages=torch.randn(batch, seq, generator=g),
+        returns=torch.randn(batch, seq, generator=g),
+        old_values=0.1 * torch.randn(batch, seq, generator=g),
+        scores=torch.tensor([1.0, -1.0] * (batch // 2)),
+    )
+
+
+def run_layout(name, arch, hf_dir, batch, out_dir):
+    from megatron.core import parallel_state
+
+    layout, microbatches = LAYOUTS[name]
+    ctx = platform.initialize(layout, arch=arch)
+    rows_per_rank = len(batch) // ctx.dp_size
+    rows = slice(ctx.dp_rank * rows_per_rank, (ctx.dp_rank + 1) * rows_per_rank)
+    local = batch.rows(rows)
+    result = {"rows": (rows.start, rows.stop), "grads": {}}
+
+    actor = Actor(arch, layout, hf_dir)
+    for loss_name, cfg in LOSSES.items():
+        actor.compute_gradients(local, cfg, microbatches)
+        result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
+    result["logprobs"] = actor.compute_logprobs(local, microbatches)
+
+    critic = Critic(arch, layout, hf_dir)
+    result["values"] = critic.compute_values(local, microbatches)
+    critic.compute_gradients(local, ValueLossConfig(), microbatches)
+    result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))
+
+    torch.save(result, Path(out_dir) / f"{name}.rank{ctx.rank}.pt")
+    parallel_state.destroy_model_parallel()
+
+
+@record
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--layouts", required=True, help="comma-separated names of LAYOUTS")
+    a = p.parse_args()
+    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    batch = global_batch(arch.vocab_size)
+    for name in a.layouts.split(","):
+        run_layout(name, arch, a.hf_dir, batch, a.out_dir)
+    platform.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""torchrun worker: one optimizer step with TP=2 moves every actor and critic parameter, and
+the reference policy (forward-only) never changes. Writes a summary to --out (rank 0)."""
+
+import argparse
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatron_rl import platform
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
+from megatron_rl.workers.megatron_model import OptimConfig, export_hf_tensors
+from megatron_rl.workers.policy import Actor, ReferencePolicy
+from tests.workers.actor_critic import global_batch
+
+
+def snapshot(chunks, arch):
+    return {k: v.clone() for k, v in export_hf_tensors(chunks, arch)}
+
+
+def unchanged(before, after):
+    return sorted(k for k in before if torch.equal(before[k], after[k]))
+
+
+@record
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    layout = platform.ParallelLayout(tensor_model_parallel_size=2)
+    ctx = platform.initialize(layout, arch=arch)
+    batch = global_batch(arch.vocab_size)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0)
+
+    actor = Actor(arch, layout, a.hf_dir, optim=optim)
+    reference = ReferencePolicy(arch, layout, a.hf_dir)
+    critic = Critic(arch, layout, a.hf_dir, optim=optim)
+    actor_before, ref_before = snapshot(actor.chunks, arch), snapshot(reference.chunks, arch)
+    critic_before = snapshot(critic.chunks, arch)
+    ref_logprobs = reference.compute_logprobs(batch)
+    actor_logprobs = actor.compute_logprobs(batch)
+
+    cfg = PolicyLossConfig(nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.01)
+    actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
+    critic_metrics = critic.update(batch, ValueLossConfig(), 2)
+
+    summary = {
+        "initial_logprob_gap": (ref_logprobs - actor_logprobs).abs().max().item(),
+        "actor_unchanged": unchanged(actor_before, snapshot(actor.chunks, arch)),
+        "actor_params": len(actor_before),
+        "critic_unchanged": unchanged(critic_before, snapshot(critic.chunks, arch)),
+        "critic_params": len(critic_before),
+        "reference_changed": sorted(
+            set(ref_before) - set(unchanged(ref_before, snapshot(reference.chunks, arch)))
+        ),
+        "reference_has_grads": any(
+            p.requires_grad for c in reference.chunks for p in c.parameters()
+        ),
+        "reference_logprob_drift": (reference.compute_logprobs(batch) - ref_logprobs)
+        .abs()
+        .max()
+        .item(),
+        "actor_logprob_change": (actor.compute_logprobs(batch) - actor_logprobs).abs().max().item(),
+        "actor_metrics": actor_metrics,
+        "critic_metrics": critic_metrics,
+    }
+    if ctx.rank == 0:
+        torch.save(summary, a.out)
+    platform.destroy()
+
+
+if __name__ == "__main__":
+    main()
