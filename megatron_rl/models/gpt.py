@@ -11,6 +11,7 @@ unlike megatron's torch-norm wrapper supports sequence parallelism (its weight i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,15 +60,70 @@ def transformer_engine_available() -> bool:
     return True
 
 
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise")
+
+
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Parameter dtype of the model (bf16 on GPU clusters, fp32 on CPU)."""
+    """Numerics of a model: parameter dtype, and FP8 GEMMs through Transformer Engine.
+
+    With FP8 the parameters stay bf16 (the master copy that checkpoints and the vLLM sync
+    export); only GEMM inputs are cast, with the scaling recipe below.
+    """
 
     params_dtype: torch.dtype = torch.float32
+    """bf16 on GPU clusters, fp32 on CPU (megatron's bf16 optimizer needs CUDA)."""
+    fp8: str | None = None
+    """None, "e4m3" (all GEMMs) or "hybrid" (e4m3 forward, e5m2 gradients)."""
+    fp8_recipe: str = "delayed"
+    """"delayed" (amax history), "tensorwise" (current scaling) or "blockwise" (Hopper)."""
+    fp8_amax_history_len: int = 1024
+    fp8_amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.fp8 is None:
+            return
+        if self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={self.fp8!r}: expected one of {FP8_FORMATS} or None")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r}: expected one of {FP8_RECIPES}")
+        if self.params_dtype != torch.bfloat16:
+            raise ValueError(f"fp8 needs params_dtype=torch.bfloat16, got {self.params_dtype}")
+        if self.fp8_amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"fp8_amax_compute_algo={self.fp8_amax_compute_algo!r}: expected max or most_recent"
+            )
 
     @property
     def bf16(self) -> bool:
         return self.params_dtype == torch.bfloat16
+
+    def check_supported(self) -> None:
+        """Raise at start-up, never fall back silently: FP8 needs TE and a Hopper-class GPU."""
+        if self.fp8 is None:
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"fp8={self.fp8!r} needs a CUDA GPU (Hopper or newer); none found")
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (9, 0):
+            raise RuntimeError(
+                f"fp8={self.fp8!r} needs a Hopper-class GPU (compute capability >= 9.0); "
+                f"{torch.cuda.get_device_name()} has {major}.{minor}"
+            )
+        if not transformer_engine_available():
+            raise RuntimeError(
+                f"fp8={self.fp8!r} needs Transformer Engine: pip install -e '.[gpu]'"
+            )
+
+
+def sequence_multiple(layout: ParallelLayout, precision: PrecisionConfig | None = None) -> int:
+    """Sequence lengths must be multiples of this: TP size under sequence parallelism (the
+    sequence is split over TP ranks), 16 with FP8 (TE's FP8 GEMM alignment)."""
+    multiple = layout.tensor_model_parallel_size if layout.sequence_parallel else 1
+    if precision is not None and precision.fp8 is not None:
+        multiple = math.lcm(multiple, 16)
+    return multiple
 
 
 def transformer_config(
@@ -79,8 +135,17 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     precision = precision or PrecisionConfig()
+    precision.check_supported()
     on_gpu = torch.cuda.is_available()
     interleaved = layout.virtual_pipeline_model_parallel_size is not None
+    fp8 = {}
+    if precision.fp8 is not None:
+        fp8 = dict(
+            fp8=precision.fp8,
+            fp8_recipe=precision.fp8_recipe,
+            fp8_amax_history_len=precision.fp8_amax_history_len,
+            fp8_amax_compute_algo=precision.fp8_amax_compute_algo,
+        )
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -119,6 +184,7 @@ def transformer_config(
         # Unbatched, overlapped p2p keeps forward and backward exchanges apart.
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
+        **fp8,
     )
 
 
@@ -168,6 +234,8 @@ def build_gpt_model_chunks(
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     config = transformer_config(arch, layout, precision)
+    if config.fp8 and not use_transformer_engine:
+        raise ValueError("fp8 needs the Transformer Engine layer spec (use_transformer_engine)")
     layer = layer_spec(use_transformer_engine)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []

@@ -71,6 +71,21 @@ class TrainingBatch:
     def with_fields(self, **updates) -> TrainingBatch:
         return replace(self, **updates)
 
+    def padded_to_multiple(self, multiple: int, pad_token_id: int = 0) -> TrainingBatch:
+        """Right-pad S to a multiple (sequence parallelism, FP8); padding is never a response
+        token, so losses are unchanged. Slice outputs back with [:, :seq_length]."""
+        extra = -self.seq_length % multiple
+        if extra == 0:
+            return self
+        updates = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name == "scores":
+                continue
+            fill = pad_token_id if f.name == "input_ids" else 0
+            updates[f.name] = torch.nn.functional.pad(value, (0, extra), value=fill)
+        return replace(self, **updates)
+
     def split(self, num_microbatches: int) -> list[TrainingBatch]:
         """Equal-size micro-batches (pipeline p2p needs one shape for all of them)."""
         if num_microbatches < 1 or len(self) % num_microbatches != 0:

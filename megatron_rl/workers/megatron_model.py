@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
 from megatron_rl.models.hf_mapping import hf_tensors_from_megatron
+from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.batch import TrainingBatch
 
 
@@ -184,3 +187,112 @@ def export_hf_tensors(
             else:
                 shards = [tensor]
             yield from hf_tensors_from_megatron(name, shards, arch, offset).items()
+
+
+def data_parallel_sum(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (SUM) over the data-parallel group; identity with one DP rank."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t
+
+
+class MegatronRole:
+    """Model chunks of one role plus forward-only evaluation over a batch."""
+
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        layout: ParallelLayout,
+        chunks: list,
+        precision: PrecisionConfig | None = None,
+    ):
+        self.arch, self.layout, self.chunks = arch, layout, chunks
+        self.seq_multiple = sequence_multiple(layout, precision)
+
+    @torch.no_grad()
+    def forward_collect(
+        self, batch: TrainingBatch, num_microbatches: int, collect: Callable
+    ) -> torch.Tensor:
+        """`collect(mb, output) -> [b, S']` on each micro-batch; [B, S] on every PP rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        padded = batch.padded_to_multiple(self.seq_multiple)
+        parts = run_schedule(
+            self.chunks,
+            padded.split(num_microbatches),
+            collect,
+            forward_only=True,
+            collect_outputs=True,
+        )
+        out = broadcast_from_last_stage(parts, padded.input_ids.shape, torch.float32)
+        return out[:, : batch.seq_length]
+
+
+class TrainableRole(MegatronRole):
+    """A role with DDP-wrapped chunks and an optimizer; subclasses define `loss`.
+
+    Token-level normalisation across micro-batches and DP ranks: the global counts of the
+    whole mini-batch are all-reduced over DP once (`counts`), each micro-batch's loss terms
+    divide by them, and the total is multiplied by num_microbatches * dp_size, which
+    megatron's average over micro-batches and DDP's average over ranks cancel. The gradient
+    is then exactly that of the global batch, however it is split.
+    """
+
+    def __init__(self, arch, layout, chunks, precision=None, optim: OptimConfig | None = None):
+        wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, optim or OptimConfig())
+        super().__init__(arch, layout, wrapped, precision)
+
+    def loss(self, cfg, counts: torch.Tensor, mb: TrainingBatch, output):
+        """(loss normalised by the global `counts`, metrics) for one micro-batch."""
+        raise NotImplementedError
+
+    def _scaled_loss(self, cfg, counts, scale, mb, output):
+        loss, metrics = self.loss(cfg, counts, mb, output)
+        # megatron divides the returned loss in place; metrics must not share its storage.
+        return loss * scale, {k: v.detach().clone() for k, v in metrics.items()}
+
+    def compute_gradients(
+        self, batch: TrainingBatch, cfg, num_microbatches: int = 1
+    ) -> dict[str, float]:
+        """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
+        main_grad (reduced over DP, and over TP for sequence-parallel norms). Returns the
+        metrics averaged over micro-batches (on the last pipeline stage; {} elsewhere)."""
+        from megatron.core import parallel_state
+
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        counts = data_parallel_sum(global_counts(batch))
+        scale = num_microbatches * parallel_state.get_data_parallel_world_size()
+        metrics = run_schedule(
+            self.chunks,
+            batch.padded_to_multiple(self.seq_multiple).split(num_microbatches),
+            partial(self._scaled_loss, cfg, counts, scale),
+            forward_only=False,
+        )
+        if not metrics:
+            return {}
+        return {
+            k: torch.stack([m[k] for m in metrics]).double().nanmean().item() for k in metrics[0]
+        }
+
+    def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
+        """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
+        metrics = self.compute_gradients(batch, cfg, num_microbatches)
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["update_ok"] = bool(ok)
+        return metrics
+
+
+def global_counts(batch: TrainingBatch) -> torch.Tensor:
+    """[3] float64 on this rank: valid tokens, non-empty sequences, positive-sample tokens."""
+    from megatron_rl.algorithms.losses import token_and_sequence_counts
+
+    positive = torch.zeros((), dtype=torch.float64)
+    if batch.scores is not None:
+        positive = (batch.response_mask.bool() & (batch.scores > 0)[:, None]).sum().double()
+    return torch.cat([token_and_sequence_counts(batch.response_mask), positive[None]])

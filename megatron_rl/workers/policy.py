@@ -1,27 +1,18 @@
 """The policy roles: ReferencePolicy (forward-only) and Actor (trains with PPO/VAPO losses).
 
-Token-level loss across micro-batches and DP ranks (the VAPO/DAPO `token-mean`): before a
-mini-batch, the valid-token, non-empty-sequence and positive-token counts of the whole
-global batch are all-reduced over DP once; every micro-batch normalises its loss terms by
-those global counts and multiplies by num_microbatches * dp_size, which megatron's average
-over micro-batches and DDP's average over ranks then cancel. The gradient is exactly that
-of the whole global batch, however it is split (tests/test_workers_distributed.py).
+The actor's loss for one micro-batch is PPO clip (clip-higher, optional dual clip) + mu *
+positive-sample NLL - entropy bonus + beta * KL in the loss, every term normalised by the
+global counts of the mini-batch (see `TrainableRole` for why that makes it exact).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from megatron_rl.algorithms.kl import kl_estimate
-from megatron_rl.algorithms.losses import (
-    aggregate_loss,
-    positive_sample_nll_loss,
-    ppo_policy_loss,
-    token_and_sequence_counts,
-)
+from megatron_rl.algorithms.losses import aggregate_loss, positive_sample_nll_loss, ppo_policy_loss
 from megatron_rl.algorithms.masked import masked_mean
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, build_gpt_model_chunks
@@ -31,11 +22,10 @@ from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.megatron_model import (
+    MegatronRole,
     OptimConfig,
-    broadcast_from_last_stage,
-    run_schedule,
+    TrainableRole,
     shift_to_tokens,
-    wrap_ddp_and_optimizer,
 )
 
 
@@ -49,21 +39,23 @@ def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size))
 
 
-def global_counts(batch: TrainingBatch) -> torch.Tensor:
-    """[3] float64: valid tokens, non-empty sequences, positive-sample tokens, summed over DP."""
-    from megatron.core import parallel_state
-
-    counts = token_and_sequence_counts(batch.response_mask)
-    positive = torch.zeros((), dtype=torch.float64)
-    if batch.scores is not None:
-        positive = (batch.response_mask.bool() & (batch.scores > 0)[:, None]).sum().double()
-    counts = torch.cat([counts, positive[None]])
-    if parallel_state.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
-    return counts
+def _policy_chunks(arch, layout, hf_dir, precision) -> list:
+    chunks = build_gpt_model_chunks(arch, layout, precision)
+    if hf_dir is not None:
+        load_hf_into_megatron(chunks, hf_dir, arch)
+    return chunks
 
 
-class ReferencePolicy:
+class _LogProbs:
+    def compute_logprobs(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:
+        """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank."""
+        vocab = self.arch.vocab_size
+        return self.forward_collect(
+            batch, num_microbatches, lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab)
+        )
+
+
+class ReferencePolicy(_LogProbs, MegatronRole):
     """Forward-only copy of the policy: no optimizer state, no gradients.
 
     Build it only when a KL coefficient is > 0 (the trainer skips it entirely otherwise).
@@ -76,33 +68,13 @@ class ReferencePolicy:
         hf_dir: str | Path | None = None,
         precision: PrecisionConfig | None = None,
     ):
-        self.arch, self.layout = arch, layout
-        self.chunks = build_gpt_model_chunks(arch, layout, precision)
-        if hf_dir is not None:
-            load_hf_into_megatron(self.chunks, hf_dir, arch)
-        for chunk in self.chunks:
+        chunks = _policy_chunks(arch, layout, hf_dir, precision)
+        for chunk in chunks:
             chunk.requires_grad_(False)
-
-    @torch.no_grad()
-    def compute_logprobs(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:
-        """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank."""
-        for chunk in self.chunks:
-            chunk.eval()
-
-        def collect(mb, logits):
-            return token_logprobs(logits, mb.input_ids, self.arch.vocab_size)
-
-        parts = run_schedule(
-            self.chunks,
-            batch.split(num_microbatches),
-            collect,
-            forward_only=True,
-            collect_outputs=True,
-        )
-        return broadcast_from_last_stage(parts, batch.input_ids.shape, torch.float32)
+        super().__init__(arch, layout, chunks, precision)
 
 
-class Actor(ReferencePolicy):
+class Actor(_LogProbs, TrainableRole):
     """The trained policy: DDP-wrapped chunks, megatron optimizer, PPO/VAPO losses."""
 
     def __init__(
@@ -113,13 +85,10 @@ class Actor(ReferencePolicy):
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
     ):
-        self.arch, self.layout = arch, layout
-        chunks = build_gpt_model_chunks(arch, layout, precision)
-        if hf_dir is not None:
-            load_hf_into_megatron(chunks, hf_dir, arch)
-        self.chunks, self.optimizer = wrap_ddp_and_optimizer(chunks, optim or OptimConfig())
+        chunks = _policy_chunks(arch, layout, hf_dir, precision)
+        super().__init__(arch, layout, chunks, precision, optim)
 
-    def _loss(self, cfg: PolicyLossConfig, counts, scale: float, mb: TrainingBatch, logits):
+    def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):
         tokens, seqs, positive = counts
         mask = mb.response_mask
         logprobs = token_logprobs(logits, mb.input_ids, self.arch.vocab_size)
@@ -136,58 +105,22 @@ class Actor(ReferencePolicy):
             global_seq_count=seqs,
         )
         loss = pg_loss
+        metrics["pg_loss"] = pg_loss
         if cfg.nll_coef > 0:
             nll = positive_sample_nll_loss(logprobs, mask, mb.scores, positive)
             loss = loss + cfg.nll_coef * nll
-            metrics["nll_loss"] = nll.detach().clone()
+            metrics["nll_loss"] = nll
         entropy = token_entropy(logits, self.arch.vocab_size)
         if cfg.entropy_coef > 0:
-            ent = aggregate_loss(entropy, mask, cfg.loss_agg_mode, tokens, seqs)
-            loss = loss - cfg.entropy_coef * ent
+            loss = loss - cfg.entropy_coef * aggregate_loss(
+                entropy, mask, cfg.loss_agg_mode, tokens, seqs
+            )
         if cfg.kl_loss_coef > 0:
             if mb.ref_logprobs is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_logprobs in the batch")
             kl = kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator)
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, tokens, seqs)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.detach().clone()
-        metrics["pg_loss"] = pg_loss.detach().clone()
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
-        # Megatron divides by num_microbatches (in place, hence the clones above) and DDP
-        # averages over DP ranks; the scale undoes both so the sum is the global mean.
-        return loss * scale, metrics
-
-    def compute_gradients(
-        self, batch: TrainingBatch, cfg: PolicyLossConfig, num_microbatches: int = 1
-    ) -> dict[str, float]:
-        """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
-        main_grad (reduced over DP and, for SP norms, TP). Returns averaged metrics."""
-        from megatron.core import parallel_state
-
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        counts = global_counts(batch)
-        scale = num_microbatches * parallel_state.get_data_parallel_world_size()
-        metrics = run_schedule(
-            self.chunks,
-            batch.split(num_microbatches),
-            partial(self._loss, cfg, counts, scale),
-            forward_only=False,
-        )
-        return (
-            {k: torch.stack([m[k] for m in metrics]).mean().item() for k in metrics[0]}
-            if metrics
-            else {}
-        )
-
-    def update(
-        self, batch: TrainingBatch, cfg: PolicyLossConfig, num_microbatches: int = 1
-    ) -> dict[str, float]:
-        """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
-        metrics = self.compute_gradients(batch, cfg, num_microbatches)
-        ok, grad_norm, _ = self.optimizer.step()
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        metrics["update_ok"] = bool(ok)
-        return metrics
+            metrics["kl_loss"] = kl_loss
+        metrics["entropy"] = masked_mean(entropy, mask)
+        return loss, metrics

@@ -35,8 +35,9 @@ LOSSES = {
 }
 
 
-def global_batch(vocab_size: int, batch: int = 8, seq: int = 24, seed: int = 3) -> TrainingBatch:
-    """Prompts of 3..8 tokens, responses of 1..(rest) tokens, right padding."""
+def global_batch(vocab_size: int, batch: int = 8, seq: int = 23, seed: int = 3) -> TrainingBatch:
+    """Prompts of 3..8 tokens, responses of 1..(rest) tokens, right padding; an odd length
+    so sequence parallelism must pad it."""
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     mask = torch.zeros(batch, seq)
