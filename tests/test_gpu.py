@@ -1,0 +1,95 @@
+"""GPU tier (skipped without CUDA; the TE/FP8 tests also without Transformer Engine).
+
+Single process, world size 1. Never a substitute for the CPU tests: they check what only a
+GPU has (bf16 kernels, the TE layer spec, FP8 GEMMs).
+"""
+
+import pytest
+import torch
+
+from megatron_rl import platform
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.gpt import (
+    PrecisionConfig,
+    build_gpt_model_chunks,
+    transformer_engine_available,
+)
+from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.workers.losses_config import PolicyLossConfig
+from megatron_rl.workers.policy import Actor
+
+pytestmark = pytest.mark.gpu
+needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    yield
+    platform.destroy()
+
+
+def tokens(arch, b=2, s=64):
+    return torch.randint(
+        0, arch.vocab_size, (b, s), generator=torch.Generator().manual_seed(0)
+    ).cuda()
+
+
+def forward(chunks, ids):
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    with torch.no_grad():
+        return chunks[0](ids, pos, None)[..., :500].float()
+
+
+def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_dir):
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    platform.initialize(platform.ParallelLayout(), arch=arch)
+    ids = tokens(arch)
+    fp32 = build_gpt_model_chunks(arch, platform.ParallelLayout(), use_transformer_engine=False)
+    load_hf_into_megatron(fp32, tiny_model_dir, arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    actor = Actor(arch, platform.ParallelLayout(), tiny_model_dir, precision=bf16)
+    assert (forward(actor.chunks, ids) - forward(fp32, ids)).abs().max() < 0.05
+    from tests.workers.actor_critic import global_batch
+
+    batch = global_batch(arch.vocab_size)
+    batch = batch.with_fields(
+        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    )
+    metrics = actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
+    assert metrics["update_ok"] and torch.isfinite(torch.tensor(metrics["grad_norm"]))
+
+
+@needs_te
+def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    layout = platform.ParallelLayout()
+    platform.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    local = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=False)
+    te = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=True)
+    load_hf_into_megatron(local, tiny_model_dir, arch)
+    load_hf_into_megatron(te, tiny_model_dir, arch)
+    ids = tokens(arch)
+    assert (forward(te, ids) - forward(local, ids)).abs().max() < 0.05
+
+
+@needs_te
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs Hopper",
+)
+def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    layout = platform.ParallelLayout()
+    platform.initialize(layout, arch=arch)
+    fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
+    actor = Actor(arch, layout, tiny_model_dir, precision=fp8)
+    from tests.workers.actor_critic import global_batch
+
+    batch = global_batch(arch.vocab_size)  # S=23: padded to 16-multiples by the actor
+    batch = batch.with_fields(
+        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    )
+    metrics = actor.update(batch, PolicyLossConfig(), num_microbatches=2)
+    assert metrics["update_ok"]
