@@ -9,7 +9,8 @@ megatron-core untouched. The patches (each tied to a call site in megatron-core 
 2. `torch.cuda.synchronize()` is a no-op (timers, schedules).
 3. The pipeline schedules create `torch.zeros(..., device="cuda")` for the token counter, the
    unfused softmax builds its default causal mask with `device="cuda"`, and the fp32
-   optimizer and its gradient-norm helpers allocate scalars on "cuda": those functions run
+   optimizer and its gradient-norm helpers allocate scalars on "cuda", and tied embeddings
+   split over pipeline stages are synchronised through `weight.data.cuda()`: those run
    under a torch-function mode that maps a "cuda" device argument to "cpu". The mode is
    scoped to those calls only, so other code (vLLM, our own) never pays for it.
 4. `clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`; it is
@@ -40,10 +41,13 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class CudaToCpuDeviceMode(TorchFunctionMode):
-    """Rewrites `device="cuda"` keyword arguments of torch calls to "cpu"."""
+    """Rewrites `device="cuda"` keyword arguments of torch calls to "cpu", and makes
+    `tensor.cuda()` return the tensor unchanged."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         if _is_cuda_device(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
@@ -97,6 +101,7 @@ def apply() -> bool:
 
     import megatron.core.optimizer as optimizer_pkg
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as optimizer_mod
     from megatron.core.pipeline_parallel import schedules
@@ -113,6 +118,7 @@ def apply() -> bool:
         _wrap_attr(module, "get_default_causal_mask")
         _wrap_attr(module, "get_sliding_window_causal_mask")
     _wrap_attr(optimizer_pkg, "get_megatron_optimizer")
+    _wrap_attr(LanguageModule, "setup_embeddings_and_output_layer")
     _wrap_attr(optimizer_mod.FP32Optimizer, "step")
     # optimizer.py imported the clip helpers by name, so patch both bindings.
     for module in (clip_grads, optimizer_mod):

@@ -56,8 +56,9 @@ def test_pipeline_schedules_equal_pp1(pp_ranks, phase):
     pp1_loss = r0["pp1"]["loss"]
     assert r0[phase]["loss"] is None  # the first stage computes no loss
     assert abs(r1[phase]["loss"] - pp1_loss) <= 1e-6
-    # A random 500-token model: next-token CE near ln(500 padded to 512) ~ 6.24.
-    assert 5.5 < pp1_loss < 7.0
+    # A random 500-token model; megatron's own CE also counts the 524 zero padding logits:
+    # between ln(500) = 6.2 and ln(1024) = 6.9.
+    assert 6.0 < pp1_loss < 7.2
     pp1 = r0["pp1"]["grads"]
     staged = {**r0[phase]["grads"], **r1[phase]["grads"]}
     assert set(r0[phase]["grads"]).isdisjoint(r1[phase]["grads"])  # ranks hold disjoint layers

@@ -54,10 +54,11 @@ def test_from_hf_config_names_missing_field(tmp_path):
         ModelArchitecture.from_hf_config(tmp_path)
 
 
-def test_padded_vocab():
-    assert arch(vocab_size=500).padded_vocab_size(tp=1) == 512
-    assert arch(vocab_size=500).padded_vocab_size(tp=2) == 512
-    assert arch(vocab_size=513).padded_vocab_size(tp=2) == 768
+def test_padded_vocab_is_the_same_for_every_tp_up_to_8():
+    assert {arch(vocab_size=500).padded_vocab_size(tp) for tp in (1, 2, 4, 8)} == {1024}
+    assert arch(vocab_size=152064).padded_vocab_size(4) == 152576  # Qwen2.5: +512 rows
+    assert arch(vocab_size=1025).padded_vocab_size(2) == 2048
+    assert arch(vocab_size=500).padded_vocab_size(3) == 3072  # lcm(1024, 3)
 
 
 def test_fuse_qkv_interleaves_per_query_group():
@@ -118,8 +119,8 @@ def test_tied_output_layer_reads_embeddings():
     out = hf_mapping.megatron_shard_from_hf(
         "output_layer.weight", get, arch(tie_word_embeddings=True), 1, 2
     )
-    # 10 rows padded to 128 * tp = 256; rank 1 holds rows 128..255, all padding.
-    assert seen == ["model.embed_tokens.weight"] and out.shape == (128, 8)
+    # 10 rows padded to 1024; rank 1 holds rows 512..1023, all padding.
+    assert seen == ["model.embed_tokens.weight"] and out.shape == (512, 8)
     assert out.abs().sum() == 0
 
 

@@ -74,6 +74,8 @@ def test_cpu_compat_maps_cuda_factories_only_inside_megatron_schedules():
     with cpu_compat.CudaToCpuDeviceMode():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+        t = torch.ones(2)
+        assert t.cuda() is t
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
 

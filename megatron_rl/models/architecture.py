@@ -6,11 +6,15 @@ Pure Python: no Megatron import, so configs can be validated before any process 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+VOCAB_PAD_MULTIPLE = 1024
+"""128 * 8: the padded vocabulary is the same for every TP size up to 8, so a checkpoint
+saved at one TP loads at another (megatron-LM pads to 128 * TP, which changes with TP)."""
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,14 @@ class ModelArchitecture:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
 
-    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
-        """Vocabulary rounded up so it splits evenly over TP ranks (Megatron's convention).
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocabulary rounded up to a multiple of VOCAB_PAD_MULTIPLE (and of TP), so it splits
+        evenly over TP ranks.
 
-        The extra rows are zero on import and dropped on export; their logits are never
-        sampled because consumers slice logits to `vocab_size`.
+        The extra rows are zero on import and dropped on export; log-probs and entropy mask
+        them (`megatron_rl.parallel.vocab`), and sampling never sees them.
         """
-        multiple = divisible_by * tp
+        multiple = math.lcm(VOCAB_PAD_MULTIPLE, tp)
         return -(-self.vocab_size // multiple) * multiple
 
     def check_divisible(self, tp: int, layer_chunks: int) -> None:

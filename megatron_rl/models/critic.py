@@ -66,3 +66,27 @@ def build_critic_chunks(
             )
             chunk.output_layer = head.to(next(chunk.parameters()).device)
     return chunks
+
+
+@torch.no_grad()
+def load_value_head(chunks: list, reader) -> None:
+    """Copy a reward model's `score.weight` [1, hidden] into the critic's value head.
+
+    A missing or misshaped head is an error naming the parameter and both shapes (seed 002:
+    never a warning followed by a random init)."""
+    for chunk in chunks:
+        head = getattr(chunk, "output_layer", None)
+        if not isinstance(head, ValueHead):
+            continue
+        if "score.weight" not in reader.keys():
+            raise ValueError(
+                f"{reader.hf_dir}: no 'score.weight': a critic needs a sequence-classification "
+                f"reward model with a [1, {head.weight.shape[1]}] score head"
+            )
+        score = reader("score.weight")
+        if score.shape != head.weight.shape:
+            raise ValueError(
+                f"{reader.hf_dir}: 'score.weight' has shape {list(score.shape)}, the critic's "
+                f"value head (output_layer.weight) needs {list(head.weight.shape)}"
+            )
+        head.weight.copy_(score)

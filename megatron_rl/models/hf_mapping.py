@@ -169,52 +169,130 @@ def hf_tensors_from_megatron(
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
+def expected_hf_shapes(arch: ModelArchitecture, role: str = "actor") -> dict[str, tuple]:
+    """Every tensor an HF checkpoint of `arch` must hold, with its shape.
+
+    role "actor": a causal LM (`lm_head.weight` unless tied); "critic": a sequence-
+    classification reward model (`score.weight` [1, hidden], no LM head).
+    """
+    h, ffn, v = arch.hidden_size, arch.ffn_hidden_size, arch.vocab_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if role == "critic":
+        shapes["score.weight"] = (1, h)
+    elif not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+            }
+        )
+        if arch.qkv_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
+    return shapes
+
+
 class HFCheckpointReader:
-    """Reads tensors by name from a Hugging Face safetensors checkpoint, lazily, one at a time."""
+    """Reads tensors by name from a Hugging Face safetensors checkpoint, lazily, one at a time.
+
+    Errors (unreadable or truncated file, missing tensor) name the file and the tensor.
+    """
 
     def __init__(self, hf_dir: str | Path):
-        from safetensors import safe_open
-
         self.hf_dir = Path(hf_dir)
         index = self.hf_dir / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index}: not a safetensors index ({e})") from None
         else:
             single = self.hf_dir / "model.safetensors"
             if not single.exists():
                 raise FileNotFoundError(f"no model.safetensors(.index.json) in {self.hf_dir}")
-            with safe_open(single, framework="pt") as f:
+            with self._open(single.name) as f:
                 weight_map = {k: single.name for k in f.keys()}
         self._weight_map = weight_map
-        self._open = safe_open
+
+    def _open(self, file: str):
+        from safetensors import safe_open
+
+        path = self.hf_dir / file
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
     def keys(self) -> list[str]:
         return list(self._weight_map)
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _file(self, name: str) -> str:
         if name not in self._weight_map:
             raise KeyError(f"{self.hf_dir}: checkpoint has no tensor {name!r}")
-        with self._open(self.hf_dir / self._weight_map[name], framework="pt") as f:
-            return f.get_tensor(name)
+        return self._weight_map[name]
+
+    def shape(self, name: str) -> tuple:
+        """Shape from the file header, without reading the data."""
+        with self._open(self._file(name)) as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def __call__(self, name: str) -> torch.Tensor:
+        file = self._file(name)
+        with self._open(file) as f:
+            try:
+                return f.get_tensor(name)
+            except Exception as e:
+                raise ValueError(
+                    f"{self.hf_dir / file}: cannot read tensor {name!r} ({e})"
+                ) from None
+
+
+def validate_hf_checkpoint(reader, arch: ModelArchitecture, role: str = "actor") -> None:
+    """Check every expected tensor is present with the right shape (headers only)."""
+    for name, shape in expected_hf_shapes(arch, role).items():
+        found = reader.shape(name)
+        if found != shape:
+            raise ValueError(
+                f"{reader.hf_dir}: tensor {name!r} has shape {list(found)}, "
+                f"expected {list(shape)} for this config"
+            )
 
 
 @torch.no_grad()
 def load_hf_into_megatron(
     model_chunks: list,
-    hf_dir: str | Path,
+    source,
     arch: ModelArchitecture,
     skip: set[str] = frozenset(),
 ) -> None:
     """Copy an HF checkpoint's weights into this rank's Megatron model chunks, in place.
 
-    Every parameter not named in `skip` must be mapped and shape-matched; a mismatch names
-    the parameter and both shapes.
+    `source` is an HF directory or a reader (e.g. one that merges a LoRA adapter). Every
+    parameter not named in `skip` must be mapped and shape-matched; a mismatch names the
+    parameter and both shapes. Tensors are read one at a time (one layer's worth at most).
     """
     from megatron.core import parallel_state
 
     from megatron_rl.models.gpt import layer_offset
 
-    reader = HFCheckpointReader(hf_dir)
+    reader = source if callable(source) else HFCheckpointReader(source)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for chunk in model_chunks:

@@ -1,0 +1,111 @@
+"""Helpers shared by the converters: the megatron checkpoint's layout on disk, atomic output
+directories, and running a command as its own torchrun workers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+METADATA = "megatron_rl.json"
+"""Top-level file of a converted checkpoint: architecture, role, layout it was saved with."""
+MODEL_SUBDIR = "model"
+"""megatron-core dist_checkpointing (torch_dist) files; loadable at any TP/PP."""
+HF_META_SUBDIR = "hf_meta"
+"""The source's config, generation config and tokenizer files, restored on export."""
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+class ConversionError(Exception):
+    """Bad input: the message names the file/tensor and what was expected."""
+
+
+def fail(message) -> None:
+    """Exit with one line. Accepts an exception (a KeyError's message is its first arg)."""
+    if isinstance(message, KeyError) and message.args:
+        message = message.args[0]
+    raise SystemExit(f"error: {message}")
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def read_metadata(ckpt_dir: Path) -> tuple[dict, ModelArchitecture]:
+    path = Path(ckpt_dir) / METADATA
+    if not path.exists():
+        fail(f"{path} not found: {ckpt_dir} is not a checkpoint written by hf_to_megatron")
+    meta = json.loads(path.read_text())
+    return meta, ModelArchitecture(**meta["arch"])
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, overwrite: bool = False):
+    """Yield a temporary sibling of `out`; rename it to `out` only if the block succeeds."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        fail(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def launch_self(module: str, argv: list[str], nproc: int, extra: list[str]) -> None:
+    """Re-run this command as `nproc` torchrun workers; a worker failure is one clear line
+    plus the failing rank's traceback."""
+    from megatron_rl.launch import TorchrunError, run_torchrun
+
+    try:
+        result = run_torchrun(module, [*argv, *extra], nproc=nproc, timeout=24 * 3600)
+    except TorchrunError as e:
+        fail(f"{module} workers failed:\n{e}")
+    sys.stdout.write("".join(ln + "\n" for ln in result.output.splitlines() if ln.startswith("[")))
+
+
+def load_megatron_checkpoint(ckpt_dir: Path, layout):
+    """Build this rank's chunks for the checkpoint's role and load them at `layout` (any
+    TP/PP: megatron's sharded tensors reshard on load). Needs platform.initialize first."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.models.critic import build_critic_chunks
+    from megatron_rl.models.gpt import build_gpt_model_chunks
+
+    meta, arch = read_metadata(ckpt_dir)
+    build = build_critic_chunks if meta["role"] == "critic" else build_gpt_model_chunks
+    chunks = build(arch, layout, use_transformer_engine=False)
+    state = dist_checkpointing.load(
+        chunks[0].sharded_state_dict(), str(Path(ckpt_dir) / MODEL_SUBDIR)
+    )
+    chunks[0].load_state_dict(state)
+    return chunks, arch, meta
