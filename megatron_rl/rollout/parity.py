@@ -1,0 +1,49 @@
+"""Log-prob parity between the rollout engine and the trainer.
+
+A mismatch between the log-probs vLLM sampled with and those the actor recomputes silently
+biases PPO's ratio (a known failure of other frameworks); the trainer logs `logprob_gap`
+every step and `tools/logprob_diff.py` checks a checkpoint on demand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms.masked import masked_mean
+from megatron_rl.workers.batch import TrainingBatch
+
+
+def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
+    """Engine samples -> right-padded [B, S] prompt+response batch with a response mask."""
+    seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+    length = max(map(len, seqs))
+    ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length)
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(s.prompt_token_ids) : len(seq)] = 1
+    return TrainingBatch(input_ids=ids, response_mask=mask)
+
+
+def engine_token_logprobs(engine, batch: TrainingBatch) -> torch.Tensor:
+    """The engine's log-prob of every token of each sequence, [B, S] aligned to tokens like
+    the actor's (entry 0 and padding are 0)."""
+    lengths = [int(m.nonzero().max()) + 1 if m.any() else 1 for m in batch.response_mask]
+    scores = engine.score(
+        [row[:n].tolist() for row, n in zip(batch.input_ids, lengths, strict=True)]
+    )
+    out = torch.zeros(batch.input_ids.shape)
+    for i, (n, lp) in enumerate(zip(lengths, scores, strict=True)):
+        out[i, 1:n] = torch.tensor(lp)
+    return out
+
+
+def logprob_gap(
+    engine_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """Mean and max |engine - actor| over response tokens."""
+    gap = (engine_lp - actor_lp).abs()
+    return {
+        "logprob_gap_mean": masked_mean(gap, mask).item(),
+        "logprob_gap_max": gap[mask.bool()].max().item() if mask.any() else 0.0,
+    }

@@ -1,0 +1,1 @@
+"""Megatron -> vLLM weight resharding after every actor update."""

@@ -1,0 +1,101 @@
+"""Log-prob parity check: vLLM's log-probs for tokens it sampled vs the Megatron actor's.
+
+    python -m tools.logprob_diff --hf-dir D [--tp 2 --pp 1 --vllm-tp 1 --prompts 8 --samples-per-prompt 4]
+
+Samples --samples-per-prompt responses for --prompts random prompts with a colocated vLLM engine, recomputes
+their log-probs with the Megatron actor (the HF weights under --tp/--pp), and prints one JSON
+line with the mean and max absolute gap over response tokens. Starts itself under torchrun
+with TP*PP processes. Exit code 1 when the max gap exceeds --atol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vllm-tp", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--atol", type=float, default=1e-4)
+    return p.parse_args(argv)
+
+
+@record
+def worker(a) -> None:
+    from megatron_rl import platform
+    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap, samples_to_batch
+    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+    from megatron_rl.workers.policy import ReferencePolicy
+
+    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    layout = platform.ParallelLayout(
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
+    )
+    ctx = platform.initialize(layout, arch=arch)
+    policy = ReferencePolicy(arch, layout, a.hf_dir)  # forward-only: no optimizer state needed
+    engine = VLLMEngine(
+        a.hf_dir,
+        EngineConfig(external_launcher=True, tensor_parallel_size=a.vllm_tp, max_model_len=1024),
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, arch.vocab_size, (8,), generator=g).tolist() for _ in range(a.prompts)
+    ]
+    samples = engine.generate(
+        prompts, SamplingConfig(n=a.samples_per_prompt, max_new_tokens=a.max_new_tokens)
+    )
+    batch = samples_to_batch(samples)
+    sampled = torch.zeros(batch.input_ids.shape)  # the log-probs vLLM reported while sampling
+    for i, s in enumerate(samples):
+        start = len(s.prompt_token_ids)
+        sampled[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs)
+    gap = logprob_gap(sampled, policy.compute_logprobs(batch), batch.response_mask)
+    rescored = logprob_gap(engine_token_logprobs(engine, batch), sampled, batch.response_mask)
+    if ctx.rank == 0:
+        result = {
+            "layout": f"TP{a.tp}PP{a.pp}",
+            "vllm_tp": a.vllm_tp,
+            "response_tokens": int(batch.response_mask.sum()),
+            **gap,
+            "engine_sampling_vs_rescoring_max": rescored["logprob_gap_max"],
+            "atol": a.atol,
+            "ok": gap["logprob_gap_max"] <= a.atol,
+        }
+        print(json.dumps(result), flush=True)
+    platform.destroy()
+
+
+def main(argv=None) -> None:
+    from checkpoints_convert.common import under_torchrun
+    from megatron_rl.launch import TorchrunError, run_torchrun
+
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    if under_torchrun():
+        return worker(a)
+    try:
+        out = run_torchrun(
+            "tools.logprob_diff", argv, nproc=max(a.tp * a.pp, a.vllm_tp), timeout=3600
+        ).output
+    except TorchrunError as e:
+        raise SystemExit(f"error: {e}") from None
+    line = next(ln for ln in out.splitlines() if ln.startswith("{"))
+    print(line)
+    if not json.loads(line)["ok"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
