@@ -43,6 +43,20 @@ def fail(message) -> None:
     raise SystemExit(f"error: {message}")
 
 
+def checked_layout(tp: int, pp: int, arch: ModelArchitecture | None = None):
+    """The TP x PP layout these commands run with (world size = TP * PP); with `arch`, a
+    layout that cannot split the model exits with one line naming the numbers."""
+    from megatron_rl.platform import ParallelLayout
+
+    layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if arch is not None:
+        try:
+            layout.validate(tp * pp, arch)
+        except ValueError as e:
+            fail(e)
+    return layout
+
+
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 

@@ -26,6 +26,7 @@ from checkpoints_convert.common import (
     METADATA,
     MODEL_SUBDIR,
     atomic_output_dir,
+    checked_layout,
     copy_side_files,
     fail,
     launch_self,
@@ -33,7 +34,6 @@ from checkpoints_convert.common import (
 )
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
-from megatron_rl.platform import ParallelLayout
 
 
 def parse_args(argv):
@@ -58,18 +58,18 @@ def open_reader(args):
     return reader
 
 
-def check_inputs(args) -> tuple[ModelArchitecture, ParallelLayout]:
+def check_inputs(args) -> ModelArchitecture:
     """Everything that can be wrong with the inputs, found before any process starts."""
     try:
         arch = ModelArchitecture.from_hf_config(args.hf_dir)
-        layout = ParallelLayout(
-            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-        )
-        layout.validate(args.tp * args.pp, arch)
+    except (ValueError, FileNotFoundError) as e:
+        fail(e)
+    checked_layout(args.tp, args.pp, arch)
+    try:
         validate_hf_checkpoint(open_reader(args), arch, args.role)
     except (ValueError, KeyError, FileNotFoundError) as e:
         fail(e)
-    return arch, layout
+    return arch
 
 
 def worker(args) -> None:
@@ -82,9 +82,7 @@ def worker(args) -> None:
     from megatron_rl.models.hf_mapping import load_hf_into_megatron
 
     arch = ModelArchitecture.from_hf_config(args.hf_dir)
-    layout = ParallelLayout(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-    )
+    layout = checked_layout(args.tp, args.pp)
     platform.initialize(layout, arch=arch)
     reader = open_reader(args)
     if args.role == "critic":
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if under_torchrun():
         return record(worker)(args)
-    arch, layout = check_inputs(args)
+    arch = check_inputs(args)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
         (tmp / MODEL_SUBDIR).mkdir()
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])

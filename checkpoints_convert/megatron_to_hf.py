@@ -21,13 +21,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoints_convert.common import (
     HF_META_SUBDIR,
     atomic_output_dir,
-    fail,
+    checked_layout,
     launch_self,
     load_megatron_checkpoint,
     read_metadata,
     under_torchrun,
 )
-from megatron_rl.platform import ParallelLayout
 
 
 def parse_args(argv):
@@ -76,9 +75,7 @@ def worker(args) -> None:
     from megatron_rl import platform
     from megatron_rl.workers.megatron_model import export_hf_tensors
 
-    layout = ParallelLayout(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-    )
+    layout = checked_layout(args.tp, args.pp)
     ctx = platform.initialize(layout)
     chunks, arch, _ = load_megatron_checkpoint(args.ckpt_dir, layout)
     writes = ctx.tp_rank == 0 and ctx.dp_rank == 0
@@ -102,12 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     if under_torchrun():
         return record(worker)(args)
     meta, arch = read_metadata(args.ckpt_dir)
-    try:
-        ParallelLayout(
-            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-        ).validate(args.tp * args.pp, arch)
-    except ValueError as e:
-        fail(str(e))
+    checked_layout(args.tp, args.pp, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
         for f in (args.ckpt_dir / HF_META_SUBDIR).iterdir():

@@ -19,13 +19,12 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoints_convert.common import (
-    fail,
+    checked_layout,
     launch_self,
     load_megatron_checkpoint,
     read_metadata,
     under_torchrun,
 )
-from megatron_rl.platform import ParallelLayout
 
 
 def parse_args(argv):
@@ -51,9 +50,7 @@ def worker(args) -> None:
     from megatron_rl.workers.batch import TrainingBatch
     from megatron_rl.workers.megatron_model import run_schedule
 
-    layout = ParallelLayout(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-    )
+    layout = checked_layout(args.tp, args.pp)
     ctx = platform.initialize(layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     for c in chunks:
@@ -92,12 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     if under_torchrun():
         return record(worker)(args)
     meta, arch = read_metadata(args.ckpt_dir)
-    try:
-        ParallelLayout(
-            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
-        ).validate(args.tp * args.pp, arch)
-    except ValueError as e:
-        fail(str(e))
+    checked_layout(args.tp, args.pp, arch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "megatron.pt"
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-file", str(work)])
