@@ -25,7 +25,38 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Llama-3's header/eot format: a reward model of another family than the actor (seeds/001).
+LLAMA3_CHAT_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] "
+    "+ '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+# Per template: (special tokens, eos, pad, template).
+TEMPLATES = {
+    "chatml": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "<|im_end|>",
+        "<|endoftext|>",
+        CHAT_TEMPLATE,
+    ),
+    "llama3": (
+        [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        "<|eot_id|>",
+        "<|end_of_text|>",
+        LLAMA3_CHAT_TEMPLATE,
+    ),
+}
+SPECIAL_TOKENS = TEMPLATES["chatml"][0]
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,11 @@ class TinyModelSpec:
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
     seed: int = 0
+    chat_template: str = "chatml"
+    """"chatml" (Qwen) or "llama3": also decides the special tokens, EOS and pad."""
+    reward_model: bool = False
+    """Write a sequence-classification reward model (`score.weight` [1, hidden]) instead of a
+    causal LM."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -59,6 +95,10 @@ class TinyModelSpec:
         if self.tokenizer_vocab > self.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} is smaller than the tokenizer's {self.tokenizer_vocab}"
+            )
+        if self.chat_template not in TEMPLATES:
+            raise ValueError(
+                f"--chat-template {self.chat_template!r}: expected one of {sorted(TEMPLATES)}"
             )
         if self.model_type not in ("qwen2", "llama"):
             raise ValueError(f"--model-type {self.model_type!r}: expected qwen2 or llama")
@@ -81,34 +121,35 @@ def build_tokenizer(spec: TinyModelSpec):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials, eos, pad, template = TEMPLATES[spec.chat_template]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.tokenizer_vocab,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos,
+        pad_token=pad,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = template
     return fast
 
 
 def build_model(spec: TinyModelSpec, tokenizer):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
-    config_cls, model_cls = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[spec.model_type]
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    family = {"qwen2": "Qwen2", "llama": "Llama"}[spec.model_type]
+    config_cls = getattr(transformers, f"{family}Config")
+    head = "ForSequenceClassification" if spec.reward_model else "ForCausalLM"
+    model_cls = getattr(transformers, family + head)
+    eos = tokenizer.eos_token_id
     config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
@@ -120,10 +161,11 @@ def build_model(spec: TinyModelSpec, tokenizer):
         rope_theta=spec.rope_theta,
         rms_norm_eps=1e-6,
         tie_word_embeddings=spec.tie_embeddings,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
+        num_labels=1,
     )
     torch.manual_seed(spec.seed)
     model = model_cls(config).to(torch.float32)
@@ -133,8 +175,9 @@ def build_model(spec: TinyModelSpec, tokenizer):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = eos
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
@@ -176,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-position", type=int, default=d.max_position)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--chat-template", default=d.chat_template, choices=sorted(TEMPLATES))
+    p.add_argument("--reward-model", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -191,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             max_position=a.max_position,
             tie_embeddings=a.tie_embeddings,
             seed=a.seed,
+            chat_template=a.chat_template,
+            reward_model=a.reward_model,
         )
         path = make_tiny_model(a.out, spec, overwrite=a.overwrite)
     except (ValueError, FileExistsError) as e:

@@ -1,0 +1,165 @@
+"""Prompt datasets: JSONL / JSON, Parquet or a directory saved with `Dataset.save_to_disk`,
+loaded through Hugging Face `datasets`, templated by the actor's tokenizer and tokenised once.
+
+Field names follow verl / OpenRLHF: `prompt_key` holds either a string (one user turn) or a
+list of chat messages `{"role", "content"}`; `label_key` holds the reference answer that rule
+rewards compare against. Prompts longer than `max_prompt_length` tokens are dropped and
+counted (`filter_overlong_prompts`) or refused with the row named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.data.templates import Messages, render_prompt
+
+
+@dataclass(frozen=True)
+class PromptDataConfig:
+    path: str
+    """A .jsonl/.json file, a .parquet file, or a directory written by `save_to_disk`."""
+    prompt_key: str = "prompt"
+    label_key: str | None = "answer"
+    """Column of reference answers; None when the rewards need no label (reward models)."""
+    apply_chat_template: bool = True
+    max_prompt_length: int = 1024
+    """In tokens, after the chat template."""
+    filter_overlong_prompts: bool = True
+    """Drop (and count) longer prompts; False refuses them with the row named."""
+    split: str = "train"
+    """For a saved `DatasetDict`."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {self.max_prompt_length}")
+
+
+@dataclass
+class PromptRecord:
+    """One prompt, ready for the engine."""
+
+    row: int
+    """Row of the source dataset (0-based), for errors and logs."""
+    prompt: str | Messages
+    """As in the dataset: reward models re-template it with their own tokenizer."""
+    prompt_text: str
+    """Rendered with the actor's chat template (generation prompt included)."""
+    prompt_token_ids: list[int]
+    label: Any = None
+
+
+@dataclass
+class PromptDataset:
+    records: list[PromptRecord]
+    source: str
+    num_dropped_overlong: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> PromptRecord:
+        return self.records[i]
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """Re-read a JSONL file that `datasets` refused, to name the line at fault."""
+    if path.suffix != ".jsonl":
+        return None
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(obj, dict):
+                return f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}"
+    return None
+
+
+def load_table(config: PromptDataConfig):
+    """The raw `datasets.Dataset` behind a config, with errors that name the file."""
+    import datasets
+
+    path = Path(config.path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt data {path}: no such file or directory")
+    datasets.disable_progress_bars()
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise ValueError(
+                f"prompt data {path}: not a directory written by Dataset.save_to_disk ({e})"
+            ) from e
+        if isinstance(ds, datasets.DatasetDict):
+            if config.split not in ds:
+                raise ValueError(
+                    f"prompt data {path}: no split {config.split!r}; it has {sorted(ds)}"
+                )
+            ds = ds[config.split]
+        return ds
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
+    if builder is None:
+        raise ValueError(
+            f"prompt data {path}: unknown format {path.suffix!r}; expected .jsonl, .json, "
+            ".parquet or a save_to_disk directory"
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(f"prompt data {path}: the file is empty")
+    try:
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:
+        raise ValueError(_first_bad_json_line(path) or f"prompt data {path}: {e}") from e
+
+
+def load_prompts(config: PromptDataConfig, tokenizer) -> PromptDataset:
+    """Load, template, tokenise and length-filter every prompt of `config.path`."""
+    ds = load_table(config)
+    source = config.path
+    if len(ds) == 0:
+        raise ValueError(f"prompt data {source}: the dataset has no rows")
+    for key, what in ((config.prompt_key, "prompt_key"), (config.label_key, "label_key")):
+        if key is not None and key not in ds.column_names:
+            hint = (
+                " (set label_key: null if the rewards need no label)" if what == "label_key" else ""
+            )
+            raise ValueError(
+                f"prompt data {source}: no column {key!r} ({what}); columns are "
+                f"{ds.column_names}{hint}"
+            )
+    prompts = ds[config.prompt_key]
+    labels = ds[config.label_key] if config.label_key else [None] * len(ds)
+    texts = []
+    for row, prompt in enumerate(prompts):
+        where = f"prompt data {source} row {row}"
+        if prompt is None or prompt == "" or prompt == []:
+            raise ValueError(f"{where}: field {config.prompt_key!r} is missing or empty")
+        texts.append(render_prompt(tokenizer, prompt, config.apply_chat_template, where))
+    # The template already wrote the special tokens; raw prompts get the tokenizer's own (BOS).
+    ids = tokenizer(texts, add_special_tokens=not config.apply_chat_template)["input_ids"]
+    records, dropped = [], 0
+    for row, (prompt, text, tokens, label) in enumerate(
+        zip(prompts, texts, ids, labels, strict=True)
+    ):
+        if len(tokens) > config.max_prompt_length:
+            if not config.filter_overlong_prompts:
+                raise ValueError(
+                    f"prompt data {source} row {row}: {len(tokens)} tokens > max_prompt_length "
+                    f"{config.max_prompt_length} (or set filter_overlong_prompts: true)"
+                )
+            dropped += 1
+            continue
+        records.append(PromptRecord(row, prompt, text, list(tokens), label))
+    if not records:
+        raise ValueError(
+            f"prompt data {source}: all {len(prompts)} prompts are longer than "
+            f"max_prompt_length {config.max_prompt_length} tokens"
+        )
+    metrics = {"data/num_prompts": float(len(records)), "data/dropped_overlong": float(dropped)}
+    return PromptDataset(records, source, dropped, metrics)

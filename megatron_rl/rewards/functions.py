@@ -1,0 +1,62 @@
+"""Built-in reward functions: the math verifier and user functions by import path."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from megatron_rl.rewards.base import RewardFunction, RewardInput
+from megatron_rl.rewards.math_verify import MathVerifierConfig, math_reward
+
+
+class MathReward(RewardFunction):
+    def __init__(self, name: str, config: MathVerifierConfig, timeout_s: float | None):
+        super().__init__(name, timeout_s)
+        self.config = config
+
+    def score_one(self, sample: RewardInput) -> float:
+        return math_reward(sample.response, sample.label, self.config)
+
+
+def load_callable(path: str, what: str = "reward function") -> Callable:
+    """`package.module:function` -> the function, with errors that name the path."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {path!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{what} {path!r}: {attr!r} is not callable")
+    return obj
+
+
+class PythonReward(RewardFunction):
+    """A user function. Per sample (verl's `compute_score` shape):
+        fn(prompt: str, response: str, label, **kwargs) -> float
+    batched (OpenRLHF's `reward_func` shape):
+        fn(prompts: list[str], responses: list[str], labels: list, **kwargs) -> list[float]
+    `prompt` is the templated prompt text the actor saw."""
+
+    def __init__(self, name: str, path: str, batched: bool, kwargs: dict, timeout_s: float | None):
+        super().__init__(name, timeout_s)
+        self.fn = load_callable(path)
+        self.batched = batched
+        self.kwargs = dict(kwargs)
+
+    def score_one(self, sample: RewardInput) -> float:
+        return self.fn(sample.prompt_text, sample.response, sample.label, **self.kwargs)
+
+    def score_batch(self, batch: list[RewardInput]) -> list[float]:
+        return self.fn(
+            [s.prompt_text for s in batch],
+            [s.response for s in batch],
+            [s.label for s in batch],
+            **self.kwargs,
+        )

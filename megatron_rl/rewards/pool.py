@@ -1,0 +1,148 @@
+"""Where reward functions run: inline in the caller, or in a pool of Ray actors so that the
+next chunk can be generated while this one is scored (seeds/000's two-stage pipeline).
+
+Both pools have the same two calls, `submit(batch) -> handle` and `result(handle)`; the inline
+pool scores at `submit`, the Ray pool returns at once and splits the batch across its workers.
+A reward model therefore loads once per Ray worker, never in the trainer process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_rl.rewards.base import RewardInput
+from megatron_rl.rewards.config import RewardFnConfig
+from megatron_rl.rewards.scorer import RewardScorer, ScoredBatch
+
+
+@dataclass(frozen=True)
+class ScoringPoolConfig:
+    num_workers: int = 0
+    """0 scores inline in the calling process; >= 1 starts that many Ray reward workers."""
+    ray_address: str | None = None
+    """None starts a local Ray instance (if none is running in this process); "auto" or
+    "ray://host:port" joins an existing cluster."""
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+    object_store_memory_mb: int = 256
+    """For a locally started Ray only: reward payloads are small."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"scoring pool num_workers must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class TimedScores:
+    scored: ScoredBatch
+    started: float
+    finished: float
+    """Wall-clock (time.time) bounds of the scoring, for the overlap timeline."""
+
+
+def score_timed(scorer: RewardScorer, batch: list[RewardInput]) -> TimedScores:
+    started = time.time()
+    scored = scorer(batch)
+    return TimedScores(scored, started, time.time())
+
+
+def concat(parts: Sequence[TimedScores]) -> TimedScores:
+    names = parts[0].scored.scores
+    merged = ScoredBatch(
+        [r for p in parts for r in p.scored.rewards],
+        {n: [v for p in parts for v in p.scored.scores[n]] for n in names},
+        {n: [e for p in parts for e in p.scored.errors[n]] for n in names},
+    )
+    return TimedScores(merged, min(p.started for p in parts), max(p.finished for p in parts))
+
+
+class InlineScoringPool:
+    def __init__(self, reward_fns: Sequence[RewardFnConfig]):
+        self.scorer = RewardScorer(reward_fns)
+
+    def submit(self, batch: list[RewardInput]) -> TimedScores:
+        return score_timed(self.scorer, batch)
+
+    def result(self, handle: TimedScores) -> TimedScores:
+        return handle
+
+    def close(self) -> None:
+        pass
+
+
+class RayScoringPool:
+    def __init__(self, reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig):
+        import ray
+
+        self._started_ray = False
+        if not ray.is_initialized():
+            kwargs = dict(address=config.ray_address, logging_level=logging.WARNING)
+            if config.ray_address is None:
+                kwargs.update(
+                    num_cpus=max(
+                        os.cpu_count() or 1, int(config.num_workers * config.num_cpus_per_worker)
+                    ),
+                    object_store_memory=config.object_store_memory_mb * 2**20,
+                    include_dashboard=False,
+                )
+            ray.init(**kwargs)
+            self._started_ray = True
+        worker_cls = ray.remote(RewardWorker).options(
+            num_cpus=config.num_cpus_per_worker, num_gpus=config.num_gpus_per_worker
+        )
+        self.workers = [worker_cls.remote(list(reward_fns)) for _ in range(config.num_workers)]
+        try:  # surface a worker that cannot build its functions now, not at the first batch
+            ray.get([w.ready.remote() for w in self.workers])
+        except Exception as e:
+            self.close()
+            raise RuntimeError(f"reward workers failed to start: {e}") from e
+
+    def submit(self, batch: list[RewardInput]) -> list:
+        n = len(self.workers)
+        bounds = [len(batch) * i // n for i in range(n + 1)]
+        return [
+            w.score.remote(batch[lo:hi])
+            for w, lo, hi in zip(self.workers, bounds, bounds[1:], strict=False)
+            if hi > lo
+        ]
+
+    def result(self, handle: list) -> TimedScores:
+        import ray
+
+        return concat(ray.get(handle))
+
+    def close(self) -> None:
+        import ray
+
+        for w in getattr(self, "workers", []):
+            ray.kill(w)
+        self.workers = []
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+class RewardWorker:
+    """One Ray actor: builds the reward functions once, scores the batches it is sent."""
+
+    def __init__(self, reward_fns: list[RewardFnConfig]):
+        self.scorer = RewardScorer(reward_fns)
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, batch: list[RewardInput]) -> TimedScores:
+        return score_timed(self.scorer, batch)
+
+
+def make_scoring_pool(
+    reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig | None = None
+):
+    config = config or ScoringPoolConfig()
+    if config.num_workers == 0:
+        return InlineScoringPool(reward_fns)
+    return RayScoringPool(reward_fns, config)

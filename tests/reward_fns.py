@@ -1,0 +1,41 @@
+"""Reward functions the tests load by import path (`tests.reward_fns:NAME`), in-process, in
+Ray workers and in the reference reward server."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def length_parity(prompt: str, response: str, label) -> float:
+    """1 for an even number of characters, else 0: random responses give mixed groups."""
+    return float(len(response) % 2 == 0)
+
+
+def constant(prompt: str, response: str, label) -> float:
+    """Every group all-equal: dynamic filtering can never fill a rollout."""
+    return 0.5
+
+
+def slow_length_parity(prompt: str, response: str, label, delay_s: float = 0.01) -> float:
+    time.sleep(delay_s)
+    return length_parity(prompt, response, label)
+
+
+def fails_on_odd(prompt: str, response: str, label) -> float:
+    if len(response) % 2:
+        raise RuntimeError("odd response")
+    return 1.0
+
+
+def nan_reward(prompt: str, response: str, label) -> float:
+    return math.nan
+
+
+def sleeps_forever(prompt: str, response: str, label) -> float:
+    time.sleep(3600)
+    return 0.0
+
+
+def batched_lengths(prompts: list[str], responses: list[str], labels: list) -> list[float]:
+    return [float(len(r)) for r in responses]
