@@ -39,3 +39,21 @@ def sleeps_forever(prompt: str, response: str, label) -> float:
 
 def batched_lengths(prompts: list[str], responses: list[str], labels: list) -> list[float]:
     return [float(len(r)) for r in responses]
+
+
+_flaky_calls = {"n": 0}
+
+
+def by_label(prompt: str, response: str, label) -> float:
+    """One function, behaviour chosen by the label, so one test server covers every case:
+    "raise" -> exception (HTTP 500), "sleep" -> hang, "flaky" -> fails on its first call
+    only, anything else -> the response's length."""
+    if label == "raise":
+        raise RuntimeError("the reward function raised")
+    if label == "sleep":
+        time.sleep(60)
+    if label == "flaky":
+        _flaky_calls["n"] += 1
+        if _flaky_calls["n"] == 1:
+            raise RuntimeError("transient failure")
+    return float(len(response))

@@ -82,6 +82,16 @@ def _first_bad_json_line(path: Path) -> str | None:
     return None
 
 
+def _has_rows(path: Path) -> bool:
+    # `datasets` reports an empty file as a missing split; say what it is instead.
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows > 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        return any(line.strip() not in ("", "[]") for line in f)
+
+
 def load_table(config: PromptDataConfig):
     """The raw `datasets.Dataset` behind a config, with errors that name the file."""
     import datasets
@@ -112,6 +122,12 @@ def load_table(config: PromptDataConfig):
         )
     if path.stat().st_size == 0:
         raise ValueError(f"prompt data {path}: the file is empty")
+    try:
+        has_rows = _has_rows(path)
+    except Exception as e:
+        raise ValueError(f"prompt data {path}: cannot read it as {builder}: {e}") from e
+    if not has_rows:
+        raise ValueError(f"prompt data {path}: the dataset has no rows")
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:

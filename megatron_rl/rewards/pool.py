@@ -99,7 +99,9 @@ class RayScoringPool:
             ray.get([w.ready.remote() for w in self.workers])
         except Exception as e:
             self.close()
-            raise RuntimeError(f"reward workers failed to start: {e}") from e
+            # Ray's message is the worker's whole traceback; its last line is the error.
+            reason = str(e).strip().splitlines()[-1]
+            raise RuntimeError(f"reward workers failed to start: {reason}") from e
 
     def submit(self, batch: list[RewardInput]) -> list:
         n = len(self.workers)

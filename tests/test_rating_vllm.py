@@ -1,0 +1,160 @@
+"""`generate_samples_with_rating` with a real vLLM engine, inline and with a Ray reward pool."""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from megatron_rl.data import PromptDataConfig, PromptStream, load_prompts
+from megatron_rl.rewards import (
+    PythonRewardConfig,
+    RewardFailureError,
+    ScoringPoolConfig,
+    make_scoring_pool,
+)
+from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
+from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+
+pytestmark = pytest.mark.vllm
+
+SAMPLING = SamplingConfig(n=4, max_new_tokens=24)
+
+
+def reward(function, **kw):
+    return [PythonRewardConfig(path=f"tests.reward_fns:{function}", **kw)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_model_dir, tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "math.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + {2 * i}?", "answer": str(3 * i)}) + "\n" for i in range(40))
+    )
+    return load_prompts(PromptDataConfig(path=str(path)), tokenizer)
+
+
+def new_engine(model_dir):
+    gc.collect()  # let a previous engine's KV cache go first
+    return VLLMEngine(model_dir, EngineConfig(seed=0, max_model_len=256))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return new_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def rollout(dataset, engine, pool, tokenizer, size, **cfg):
+    return generate_samples_with_rating(
+        PromptStream(dataset, seed=1), size, engine, pool, SAMPLING, tokenizer, RatingConfig(**cfg)
+    )
+
+
+def test_plain_rollout_is_exact_and_rated(dataset, engine, tokenizer):
+    pool = make_scoring_pool(reward("length_parity"))
+    out = rollout(dataset, engine, pool, tokenizer, 6, chunk_size=4)
+    assert out.metrics["rollout/num_chunks"] == 2 and out.metrics["rollout/prompts_generated"] == 6
+    assert len(out.groups) == 6 and all(len(g) == SAMPLING.n for g in out.groups)
+    order = [dataset[i].row for i in PromptStream(dataset, seed=1).sampler.take(6)]
+    assert [g[0].prompt.row for g in out.groups] == order
+    for s in out.samples:
+        assert s.response == tokenizer.decode(s.sample.token_ids, skip_special_tokens=True)
+        assert s.reward == float(len(s.response) % 2 == 0) == s.scores["python"]
+        assert s.sample.prompt_token_ids == s.prompt.prompt_token_ids
+
+
+def test_dynamic_filtering_fills_the_batch_with_informative_groups(dataset, engine, tokenizer):
+    pool = make_scoring_pool(reward("length_parity"))
+    out = rollout(dataset, engine, pool, tokenizer, 6, chunk_size=4, strategy="dynamic_filtering")
+    assert len(out.groups) == 6 and out.metrics["rollout/short"] == 0.0
+    for g in out.groups:
+        assert len({s.reward for s in g}) > 1
+    m = out.metrics
+    assert m["rollout/groups_kept"] == 6
+    assert m["rollout/prompts_generated"] == 4 * m["rollout/num_chunks"] >= 8
+
+
+def test_dynamic_filtering_stops_at_the_cap(dataset, engine, tokenizer):
+    pool = make_scoring_pool(reward("constant"))
+    out = rollout(
+        dataset, engine, pool, tokenizer, 4, chunk_size=2, strategy="dynamic_filtering", max_num_gen_chunks=3
+    )
+    assert out.groups == []
+    assert out.metrics["rollout/num_chunks"] == 3 and out.metrics["rollout/groups_dropped"] == 6
+    assert out.metrics["rollout/short"] == 1.0
+
+
+def test_balance_keeps_as_many_positives_as_negatives(dataset, engine, tokenizer):
+    pool = make_scoring_pool(reward("length_parity"))
+    out = rollout(dataset, engine, pool, tokenizer, 6, strategy="balance", strategy_options={"threshold": 0.5})
+    positives = sum(s.reward > 0.5 for s in out.samples)
+    assert positives == len(out.samples) - positives > 0
+    assert out.metrics["balance/dropped_samples"] == 24 - len(out.samples)
+
+
+def test_reward_failures_are_contained_until_the_ratio_is_exceeded(dataset, engine, tokenizer):
+    pool = make_scoring_pool(reward("fails_on_odd", failure_reward=-5.0))
+    out = rollout(dataset, engine, pool, tokenizer, 4, max_failure_ratio=1.0)
+    failed = [s for s in out.samples if len(s.response) % 2]
+    assert failed and all(s.reward == -5.0 for s in failed)
+    assert out.metrics["reward/python/failures"] == len(failed)
+    with pytest.raises(RewardFailureError, match=r"'python' failed on \d+/16 samples .*odd response"):
+        rollout(dataset, engine, pool, tokenizer, 4, max_failure_ratio=0.05)
+
+
+def test_unknown_strategy_is_refused(dataset, engine, tokenizer):
+    with pytest.raises(ValueError, match="sampling strategy 'dapo'"):
+        rollout(dataset, engine, make_scoring_pool(reward("constant")), tokenizer, 2, strategy="dapo")
+
+
+def test_ray_pool_overlaps_scoring_and_matches_inline(tiny_model_dir, dataset, tokenizer, ray_session):
+    """Same seed, same samples and ratings; with Ray the engine generates chunk k+1 while
+    chunk k is being scored, inline it waits."""
+    fns = reward("slow_length_parity", kwargs={"delay_s": 0.05})
+    cfg = dict(chunk_size=3, strategy="dynamic_filtering", max_inflight_chunks=2)
+    runs = {}
+    for workers in (0, 2):
+        engine = new_engine(tiny_model_dir)
+        pool = make_scoring_pool(fns, ScoringPoolConfig(num_workers=workers))
+        runs[workers] = rollout(dataset, engine, pool, tokenizer, 6, **cfg)
+        pool.close()
+        del engine
+    inline, ray_run = runs[0], runs[2]
+
+    def flat(run):
+        return [(s.prompt.row, s.sample.token_ids, s.sample.logprobs, s.reward, s.scores) for s in run.samples]
+
+    assert flat(inline) == flat(ray_run) and len(inline.groups) == 6
+    for key in ("rollout/num_chunks", "rollout/groups_dropped", "reward/mean"):
+        assert inline.metrics[key] == ray_run.metrics[key]
+
+    def spans(run, kind):
+        return {chunk: (start, end) for k, chunk, start, end in run.timeline if k == kind}
+
+    n = int(ray_run.metrics["rollout/num_chunks"])
+    assert n >= 2
+    gen, score = spans(ray_run, "generate"), spans(ray_run, "score")
+    assert all(gen[k + 1][0] < score[k][1] for k in range(n - 1))  # generation overlapped scoring
+    gen, score = spans(inline, "generate"), spans(inline, "score")
+    assert all(score[k][1] <= gen[k + 1][0] for k in range(n - 1))  # inline: strictly in turn
+
+
+def test_ray_worker_that_cannot_build_its_functions_fails_at_start(ray_session):
+    with pytest.raises(RuntimeError, match="reward workers failed to start.*has no attribute 'nope'"):
+        make_scoring_pool(reward("nope"), ScoringPoolConfig(num_workers=1))

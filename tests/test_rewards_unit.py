@@ -1,0 +1,167 @@
+"""Reward functions in-process: failure containment, time limits, weighted sums, configs, and a
+reward model of another family that reads text templated its own way."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_rl.rewards import (
+    MathRewardConfig,
+    PythonRewardConfig,
+    RewardFailureError,
+    RewardInput,
+    RewardModelConfig,
+    RewardScorer,
+    reward_fn_config,
+)
+from megatron_rl.rewards.base import RewardTimeout, call_with_time_limit
+from megatron_rl.rewards.scorer import check_failure_ratio
+from tools.make_tiny_model import TinyModelSpec, make_tiny_model
+
+
+def inputs(responses, labels=None):
+    labels = labels or [None] * len(responses)
+    return [
+        RewardInput(prompt="q", prompt_text="<q>", response=r, label=lab)
+        for r, lab in zip(responses, labels, strict=True)
+    ]
+
+
+def python_fn(function, **kw):
+    return PythonRewardConfig(path=f"tests.reward_fns:{function}", **kw)
+
+
+def test_weighted_sum_of_functions():
+    scorer = RewardScorer(
+        [
+            MathRewardConfig(weight=2.0),
+            python_fn("length_parity", name="parity", weight=0.5),
+        ]
+    )
+    out = scorer(inputs([r"\boxed{4}", r"\boxed{5}x"], ["4", "4"]))
+    assert out.scores == {"math": [1.0, -1.0], "parity": [0.0, 1.0]}
+    assert out.rewards == [2.0, -2.0 + 0.5]
+    assert out.num_failures() == {"math": 0, "parity": 0}
+
+
+def test_raising_and_nan_functions_get_the_failure_reward_and_are_counted():
+    scorer = RewardScorer(
+        [
+            python_fn("fails_on_odd", failure_reward=-3.0),
+            python_fn("nan_reward", name="nan", failure_reward=0.25),
+        ]
+    )
+    out = scorer(inputs(["ab", "abc"]))
+    assert out.rewards == [1.0 + 0.25, -3.0 + 0.25]
+    assert math.isnan(out.scores["python"][1])
+    assert out.errors["python"] == [None, "reward 'python': RuntimeError: odd response"]
+    assert out.errors["nan"] == ["reward 'nan': returned nan"] * 2
+    metrics = check_failure_ratio([out], max_failure_ratio=1.0)
+    assert metrics["reward/python/failures"] == 1.0 and metrics["reward/nan/failure_ratio"] == 1.0
+    with pytest.raises(RewardFailureError, match=r"'nan' failed on 2/2 samples .* returned nan"):
+        check_failure_ratio([out], max_failure_ratio=0.5)
+
+
+def test_time_limit_stops_a_hanging_function():
+    scorer = RewardScorer([python_fn("sleeps_forever", timeout_s=0.2, failure_reward=-1.0)])
+    start = time.time()
+    out = scorer(inputs(["a", "b"]))
+    assert time.time() - start < 5
+    assert out.rewards == [-1.0, -1.0]
+    assert out.errors["python"][0] == "reward 'python': RewardTimeout: took longer than 0.2 s"
+
+
+def test_time_limit_outside_the_main_thread():
+    box = {}
+
+    def run():
+        try:
+            call_with_time_limit(lambda: time.sleep(30), 0.2)
+        except RewardTimeout as e:
+            box["error"] = str(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(5)
+    assert box == {"error": "took longer than 0.2 s"}
+    assert call_with_time_limit(lambda: 3, 1.0) == 3
+
+
+def test_batched_user_function_and_wrong_length():
+    scorer = RewardScorer([python_fn("batched_lengths", batched=True)])
+    assert scorer(inputs(["a", "abc"])).rewards == [1.0, 3.0]
+    scorer = RewardScorer([python_fn("length_parity", batched=True)])  # wrong shape of function
+    out = scorer(inputs(["a"]))
+    assert out.errors["python"][0].startswith("reward 'python': TypeError")
+
+
+def test_configs_from_dicts_and_their_errors():
+    cfg = reward_fn_config({"type": "math", "correct_reward": 2.0, "name": "acc"})
+    assert isinstance(cfg, MathRewardConfig) and cfg.correct_reward == 2.0 and cfg.display_name == "acc"
+    with pytest.raises(ValueError, match=r"unknown type 'rm'; expected one of \['math', 'python'"):
+        reward_fn_config({"type": "rm"})
+    with pytest.raises(ValueError, match=r"type 'math' has no option\(s\) \['corect_reward'\]"):
+        reward_fn_config({"type": "math", "corect_reward": 1})
+    with pytest.raises(ValueError, match="needs a 'type'"):
+        reward_fn_config({"path": "x:y"})
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+        RewardScorer([PythonRewardConfig(path="no_such_module:f")])
+    with pytest.raises(ValueError, match="has no attribute 'missing'"):
+        RewardScorer([python_fn("missing")])
+    with pytest.raises(ValueError, match="expected 'package.module:function'"):
+        RewardScorer([PythonRewardConfig(path="tests.reward_fns.constant")])
+    with pytest.raises(ValueError, match="names must be unique"):
+        RewardScorer([MathRewardConfig(), MathRewardConfig()])
+
+
+@pytest.fixture(scope="module")
+def llama_rm_dir(tmp_path_factory):
+    """A reward model of another family: Llama architecture, Llama-3 template, own tokenizer."""
+    spec = TinyModelSpec(model_type="llama", chat_template="llama3", reward_model=True, seed=5)
+    return make_tiny_model(tmp_path_factory.mktemp("rm") / "tiny-llama-rm", spec)
+
+
+def test_reward_model_reads_its_own_template(tiny_model_dir, llama_rm_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from megatron_rl.data import render_prompt
+
+    actor_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    # The actor generated token ids under ChatML; the response is decoded without specials.
+    response_ids = actor_tok("The answer is \\boxed{4}.", add_special_tokens=False)["input_ids"]
+    response_ids.append(actor_tok.eos_token_id)
+    response = actor_tok.decode(response_ids, skip_special_tokens=True)
+    sample = RewardInput(prompt, render_prompt(actor_tok, prompt), response, label="4")
+    assert "<|im_start|>" in sample.prompt_text
+
+    rm = RewardModelConfig(model_dir=str(llama_rm_dir), batch_size=2).build()
+    [text] = rm.render([sample])
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is \\boxed{4}.<|eot_id|>"
+    )
+    # Its score is the HF model's output at the last token of exactly that text, and padding
+    # inside a batch does not change it.
+    rm_tok = AutoTokenizer.from_pretrained(llama_rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(llama_rm_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ids = rm_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        expected = model(ids).logits[0, 0].item()
+    short = RewardInput("hi", "", "ok")
+    values, errors = rm([sample, short, sample])
+    assert errors == [None, None, None]
+    assert values[0] == pytest.approx(expected, abs=1e-5)
+    assert values[2] == pytest.approx(expected, abs=1e-5)
+    assert values[1] != pytest.approx(expected, abs=1e-3)
+
+
+def test_reward_model_errors(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs model_dir"):
+        RewardModelConfig().build()
