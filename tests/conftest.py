@@ -22,6 +22,14 @@ def tiny_tied_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-tied", spec)
 
 
+@pytest.fixture(scope="session")
+def llama_rm_dir(tmp_path_factory):
+    """A reward model of another family than the actor: Llama architecture, Llama-3 chat
+    template, its own tokenizer, a [1, hidden] score head."""
+    spec = TinyModelSpec(model_type="llama", chat_template="llama3", reward_model=True, seed=5)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-rm", spec)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -19,7 +19,13 @@ from megatron_rl.data import (
 
 ROWS = [
     {"question": "What is 1 + 1?", "solution": "2"},
-    {"question": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*3?"}], "solution": "9"},
+    {
+        "question": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "3*3?"},
+        ],
+        "solution": "9",
+    },
     {"question": "What is 10 - 4?", "solution": "6"},
 ]
 
@@ -41,9 +47,16 @@ def config(path, **kw):
 def test_jsonl_strings_and_messages_get_the_actor_template(tmp_path, tokenizer):
     ds = load_prompts(config(write_jsonl(tmp_path / "p.jsonl", ROWS)), tokenizer)
     assert len(ds) == 3 and [r.label for r in ds.records] == ["2", "9", "6"]
-    assert ds[0].prompt_text == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
-    assert ds[1].prompt_text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n3*3?")
-    assert ds[0].prompt_token_ids == tokenizer(ds[0].prompt_text, add_special_tokens=False)["input_ids"]
+    assert (
+        ds[0].prompt_text == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert ds[1].prompt_text.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n3*3?"
+    )
+    assert (
+        ds[0].prompt_token_ids
+        == tokenizer(ds[0].prompt_text, add_special_tokens=False)["input_ids"]
+    )
     assert ds[1].prompt == ROWS[1]["question"]  # kept as messages, for reward models
 
 
@@ -57,14 +70,21 @@ def test_parquet_and_saved_directory_load_the_same(tmp_path, tokenizer):
     from_jsonl = load_prompts(config(write_jsonl(tmp_path / "p.jsonl", rows)), tokenizer)
     for path in (tmp_path / "p.parquet", tmp_path / "saved"):
         ds = load_prompts(config(path), tokenizer)
-        assert [r.prompt_token_ids for r in ds.records] == [r.prompt_token_ids for r in from_jsonl.records]
+        assert [r.prompt_token_ids for r in ds.records] == [
+            r.prompt_token_ids for r in from_jsonl.records
+        ]
 
 
 def test_raw_prompts_without_template(tmp_path, tokenizer):
-    ds = load_prompts(config(write_jsonl(tmp_path / "p.jsonl", [ROWS[0]]), apply_chat_template=False), tokenizer)
+    ds = load_prompts(
+        config(write_jsonl(tmp_path / "p.jsonl", [ROWS[0]]), apply_chat_template=False), tokenizer
+    )
     assert ds[0].prompt_text == "What is 1 + 1?"
     with pytest.raises(TemplateError, match="row 1: apply_chat_template is false"):
-        load_prompts(config(write_jsonl(tmp_path / "m.jsonl", ROWS[:2]), apply_chat_template=False), tokenizer)
+        load_prompts(
+            config(write_jsonl(tmp_path / "m.jsonl", ROWS[:2]), apply_chat_template=False),
+            tokenizer,
+        )
 
 
 def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, tokenizer):
@@ -86,7 +106,9 @@ def test_bad_input_names_the_file_and_row(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_prompts(config(bad), tokenizer)
     missing = write_jsonl(tmp_path / "missing.jsonl", [ROWS[0], {"other": "x", "solution": "1"}])
-    with pytest.raises(ValueError, match=r"missing.jsonl row 1: field 'question' is missing or empty"):
+    with pytest.raises(
+        ValueError, match=r"missing.jsonl row 1: field 'question' is missing or empty"
+    ):
         load_prompts(config(missing), tokenizer)
     other = write_jsonl(tmp_path / "other.jsonl", [{"other": "x", "solution": "1"}])
     with pytest.raises(ValueError, match=r"no column 'question' \(prompt_key\); columns are"):

@@ -36,7 +36,10 @@ def tokenizer(tiny_model_dir):
 def dataset(tiny_model_dir, tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "math.jsonl"
     path.write_text(
-        "".join(json.dumps({"prompt": f"What is {i} + {2 * i}?", "answer": str(3 * i)}) + "\n" for i in range(40))
+        "".join(
+            json.dumps({"prompt": f"What is {i} + {2 * i}?", "answer": str(3 * i)}) + "\n"
+            for i in range(40)
+        )
     )
     return load_prompts(PromptDataConfig(path=str(path)), tokenizer)
 
@@ -55,7 +58,9 @@ def engine(tiny_model_dir):
 def ray_session():
     import ray
 
-    ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False, logging_level="ERROR")
+    ray.init(
+        num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False, logging_level="ERROR"
+    )
     yield
     ray.shutdown()
 
@@ -93,7 +98,14 @@ def test_dynamic_filtering_fills_the_batch_with_informative_groups(dataset, engi
 def test_dynamic_filtering_stops_at_the_cap(dataset, engine, tokenizer):
     pool = make_scoring_pool(reward("constant"))
     out = rollout(
-        dataset, engine, pool, tokenizer, 4, chunk_size=2, strategy="dynamic_filtering", max_num_gen_chunks=3
+        dataset,
+        engine,
+        pool,
+        tokenizer,
+        4,
+        chunk_size=2,
+        strategy="dynamic_filtering",
+        max_num_gen_chunks=3,
     )
     assert out.groups == []
     assert out.metrics["rollout/num_chunks"] == 3 and out.metrics["rollout/groups_dropped"] == 6
@@ -102,7 +114,9 @@ def test_dynamic_filtering_stops_at_the_cap(dataset, engine, tokenizer):
 
 def test_balance_keeps_as_many_positives_as_negatives(dataset, engine, tokenizer):
     pool = make_scoring_pool(reward("length_parity"))
-    out = rollout(dataset, engine, pool, tokenizer, 6, strategy="balance", strategy_options={"threshold": 0.5})
+    out = rollout(
+        dataset, engine, pool, tokenizer, 6, strategy="balance", strategy_options={"threshold": 0.5}
+    )
     positives = sum(s.reward > 0.5 for s in out.samples)
     assert positives == len(out.samples) - positives > 0
     assert out.metrics["balance/dropped_samples"] == 24 - len(out.samples)
@@ -114,16 +128,22 @@ def test_reward_failures_are_contained_until_the_ratio_is_exceeded(dataset, engi
     failed = [s for s in out.samples if len(s.response) % 2]
     assert failed and all(s.reward == -5.0 for s in failed)
     assert out.metrics["reward/python/failures"] == len(failed)
-    with pytest.raises(RewardFailureError, match=r"'python' failed on \d+/16 samples .*odd response"):
+    with pytest.raises(
+        RewardFailureError, match=r"'python' failed on \d+/16 samples .*odd response"
+    ):
         rollout(dataset, engine, pool, tokenizer, 4, max_failure_ratio=0.05)
 
 
 def test_unknown_strategy_is_refused(dataset, engine, tokenizer):
     with pytest.raises(ValueError, match="sampling strategy 'dapo'"):
-        rollout(dataset, engine, make_scoring_pool(reward("constant")), tokenizer, 2, strategy="dapo")
+        rollout(
+            dataset, engine, make_scoring_pool(reward("constant")), tokenizer, 2, strategy="dapo"
+        )
 
 
-def test_ray_pool_overlaps_scoring_and_matches_inline(tiny_model_dir, dataset, tokenizer, ray_session):
+def test_ray_pool_overlaps_scoring_and_matches_inline(
+    tiny_model_dir, dataset, tokenizer, ray_session
+):
     """Same seed, same samples and ratings; with Ray the engine generates chunk k+1 while
     chunk k is being scored, inline it waits."""
     fns = reward("slow_length_parity", kwargs={"delay_s": 0.05})
@@ -138,7 +158,10 @@ def test_ray_pool_overlaps_scoring_and_matches_inline(tiny_model_dir, dataset, t
     inline, ray_run = runs[0], runs[2]
 
     def flat(run):
-        return [(s.prompt.row, s.sample.token_ids, s.sample.logprobs, s.reward, s.scores) for s in run.samples]
+        return [
+            (s.prompt.row, s.sample.token_ids, s.sample.logprobs, s.reward, s.scores)
+            for s in run.samples
+        ]
 
     assert flat(inline) == flat(ray_run) and len(inline.groups) == 6
     for key in ("rollout/num_chunks", "rollout/groups_dropped", "reward/mean"):
@@ -156,5 +179,7 @@ def test_ray_pool_overlaps_scoring_and_matches_inline(tiny_model_dir, dataset, t
 
 
 def test_ray_worker_that_cannot_build_its_functions_fails_at_start(ray_session):
-    with pytest.raises(RuntimeError, match="reward workers failed to start.*has no attribute 'nope'"):
+    with pytest.raises(
+        RuntimeError, match="reward workers failed to start.*has no attribute 'nope'"
+    ):
         make_scoring_pool(reward("nope"), ScoringPoolConfig(num_workers=1))

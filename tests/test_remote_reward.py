@@ -15,7 +15,15 @@ from megatron_rl.rewards.remote import RemoteReward, RemoteRewardError
 @pytest.fixture(scope="module")
 def server_url():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_rl.rewards.server", "--reward", "tests.reward_fns:by_label", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.rewards.server",
+            "--reward",
+            "tests.reward_fns:by_label",
+            "--port",
+            "0",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -39,7 +47,9 @@ def test_scores_come_back_in_order_across_request_batches(server_url):
 
 def test_a_500_is_retried_then_reported_with_the_url(server_url):
     client = RemoteReward("rm", server_url, max_retries=2, backoff_s=0.01)
-    with pytest.raises(RemoteRewardError, match=r"HTTP 500: .*the reward function raised.*after 3 attempt"):
+    with pytest.raises(
+        RemoteRewardError, match=r"HTTP 500: .*the reward function raised.*after 3 attempt"
+    ):
         client.score_batch(batch("raise"))
     assert client.num_retries == 2
 
@@ -53,7 +63,9 @@ def test_a_transient_failure_is_retried_and_recovers(server_url):
 def test_a_timeout_is_retried_then_reported(server_url):
     client = RemoteReward("rm", server_url, timeout_s=0.3, max_retries=1, backoff_s=0.01)
     start = time.time()
-    with pytest.raises(RemoteRewardError, match=r"127.0.0.1:\d+: (TimeoutError|URLError).*after 2 attempt"):
+    with pytest.raises(
+        RemoteRewardError, match=r"127.0.0.1:\d+: (TimeoutError|URLError).*after 2 attempt"
+    ):
         client.score_batch(batch("sleep"))
     assert time.time() - start < 10
 
@@ -78,7 +90,15 @@ def test_remote_failures_become_failure_rewards_in_the_scorer(server_url):
 
 def test_server_refuses_a_bad_function_path():
     r = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.rewards.server", "--reward", "tests.reward_fns:nope", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl.rewards.server",
+            "--reward",
+            "tests.reward_fns:nope",
+            "--port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,7 +21,6 @@ from megatron_rl.rewards import (
 )
 from megatron_rl.rewards.base import RewardTimeout, call_with_time_limit
 from megatron_rl.rewards.scorer import check_failure_ratio
-from tools.make_tiny_model import TinyModelSpec, make_tiny_model
 
 
 def inputs(responses, labels=None):
@@ -102,7 +101,11 @@ def test_batched_user_function_and_wrong_length():
 
 def test_configs_from_dicts_and_their_errors():
     cfg = reward_fn_config({"type": "math", "correct_reward": 2.0, "name": "acc"})
-    assert isinstance(cfg, MathRewardConfig) and cfg.correct_reward == 2.0 and cfg.display_name == "acc"
+    assert (
+        isinstance(cfg, MathRewardConfig)
+        and cfg.correct_reward == 2.0
+        and cfg.display_name == "acc"
+    )
     with pytest.raises(ValueError, match=r"unknown type 'rm'; expected one of \['math', 'python'"):
         reward_fn_config({"type": "rm"})
     with pytest.raises(ValueError, match=r"type 'math' has no option\(s\) \['corect_reward'\]"):
@@ -119,20 +122,16 @@ def test_configs_from_dicts_and_their_errors():
         RewardScorer([MathRewardConfig(), MathRewardConfig()])
 
 
-@pytest.fixture(scope="module")
-def llama_rm_dir(tmp_path_factory):
-    """A reward model of another family: Llama architecture, Llama-3 template, own tokenizer."""
-    spec = TinyModelSpec(model_type="llama", chat_template="llama3", reward_model=True, seed=5)
-    return make_tiny_model(tmp_path_factory.mktemp("rm") / "tiny-llama-rm", spec)
-
-
 def test_reward_model_reads_its_own_template(tiny_model_dir, llama_rm_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from megatron_rl.data import render_prompt
 
     actor_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ]
     # The actor generated token ids under ChatML; the response is decoded without specials.
     response_ids = actor_tok("The answer is \\boxed{4}.", add_special_tokens=False)["input_ids"]
     response_ids.append(actor_tok.eos_token_id)

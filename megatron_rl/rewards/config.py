@@ -79,18 +79,27 @@ class PythonRewardConfig(RewardFnConfig):
 class RewardModelConfig(RewardFnConfig):
     model_dir: str = ""
     """A Hugging Face sequence-classification checkpoint with its own tokenizer/template."""
+    backend: str = "hf"
+    """"hf": transformers, on one device, also in Ray workers. "megatron": sharded with the
+    trainer's TP/PP inside the torchrun world (inline scoring only)."""
     batch_size: int = 8
     max_length: int = 4096
     dtype: str = "float32"
     timeout_s: float | None = None
     type: ClassVar[str] = "reward_model"
 
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "megatron"):
+            raise ValueError(f"reward_model backend {self.backend!r}: expected 'hf' or 'megatron'")
+
     def build(self) -> RewardFunction:
+        from megatron_rl.rewards.megatron_rm import MegatronRewardModel
         from megatron_rl.rewards.reward_model import HFRewardModel
 
         if not self.model_dir:
             raise ValueError("reward_fns: type 'reward_model' needs model_dir")
-        return HFRewardModel(
+        cls = MegatronRewardModel if self.backend == "megatron" else HFRewardModel
+        return cls(
             self.display_name,
             self.model_dir,
             self.batch_size,

@@ -78,6 +78,12 @@ class RayScoringPool:
     def __init__(self, reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig):
         import ray
 
+        for fn in reward_fns:
+            if getattr(fn, "backend", "hf") == "megatron":
+                raise ValueError(
+                    f"reward function {fn.display_name!r}: backend 'megatron' runs inside the "
+                    "torchrun world; score it inline (scoring pool num_workers: 0) or use backend: hf"
+                )
         self._started_ray = False
         if not ray.is_initialized():
             kwargs = dict(address=config.ray_address, logging_level=logging.WARNING)

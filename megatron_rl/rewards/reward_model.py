@@ -3,7 +3,7 @@ own tokenizer and chat template (seeds/001: a Qwen actor scored by a Llama RM).
 
 The actor's response text (decoded, special tokens dropped) is put back into a conversation
 with the original prompt and rendered by the *RM's* template; the score is the RM's output at
-the last token. `checkpoints_convert` turns the same checkpoint into a Megatron critic.
+the last token (sequences over `max_length` keep their last tokens, where the score is read). `checkpoints_convert` turns the same checkpoint into a Megatron critic.
 """
 
 from __future__ import annotations
@@ -28,21 +28,26 @@ class HFRewardModel(RewardFunction):
         dtype: str = "float32",
         timeout_s: float | None = None,
     ):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         super().__init__(name, timeout_s)
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self._load_model(self.model_dir, dtype)
+
+    def _load_model(self, model_dir: str, dtype: str) -> None:
+        from transformers import AutoModelForSequenceClassification
+
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            self.model_dir, dtype=getattr(torch, dtype)
+            model_dir, dtype=getattr(torch, dtype)
         ).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(
-                f"reward model {self.model_dir}: num_labels={self.model.config.num_labels}, "
+                f"reward model {model_dir}: num_labels={self.model.config.num_labels}, "
                 "expected a single score head (num_labels=1)"
             )
-        self.batch_size = batch_size
-        self.max_length = max_length
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model.to(self.device)
 
@@ -55,32 +60,33 @@ class HFRewardModel(RewardFunction):
             for s in batch
         ]
 
-    @torch.no_grad()
     def score_texts(self, texts: list[str]) -> list[float]:
         scores = []
         for i in range(0, len(texts), self.batch_size):
             ids = [
-                self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.max_length]
+                self.tokenizer(t, add_special_tokens=False)["input_ids"][-self.max_length :]
                 for t in texts[i : i + self.batch_size]
             ]
-            width = max(len(x) for x in ids)
-            tokens = torch.zeros(len(ids), width, dtype=torch.long)
-            mask = torch.zeros(len(ids), width, dtype=torch.long)
-            for row, x in enumerate(ids):  # right padding; the score is read at each last token
-                tokens[row, : len(x)] = torch.tensor(x)
-                mask[row, : len(x)] = 1
-            scores.extend(self._last_token_scores(tokens, mask).float().cpu().tolist())
+            scores.extend(self.score_token_ids(ids))
         return scores
 
-    def _last_token_scores(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    @torch.no_grad()
+    def score_token_ids(self, ids: list[list[int]]) -> list[float]:
+        """Score of each token sequence: the score head at its last token."""
+        width = max(len(x) for x in ids)
+        tokens = torch.zeros(len(ids), width, dtype=torch.long)
+        mask = torch.zeros(len(ids), width, dtype=torch.long)
+        for row, x in enumerate(ids):  # right padding
+            tokens[row, : len(x)] = torch.tensor(x)
+            mask[row, : len(x)] = 1
         # The backbone's hidden states through the score head, read at each row's last real
         # token: independent of the pad-token heuristics of HF's classification wrapper.
         out = self.model.base_model(
             input_ids=tokens.to(self.device), attention_mask=mask.to(self.device)
         )
-        last = mask.sum(1) - 1
-        hidden = out.last_hidden_state[torch.arange(len(last)), last.to(self.device)]
-        return self.model.score(hidden)[:, 0]
+        last = (mask.sum(1) - 1).to(self.device)
+        hidden = out.last_hidden_state[torch.arange(len(ids), device=self.device), last]
+        return self.model.score(hidden)[:, 0].float().cpu().tolist()
 
     def score_batch(self, batch: list[RewardInput]) -> list[float]:
         return self.score_texts(self.render(batch))
