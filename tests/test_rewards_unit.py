@@ -75,6 +75,13 @@ def test_time_limit_stops_a_hanging_function():
     assert out.errors["python"][0] == "reward 'python': RewardTimeout: took longer than 0.2 s"
 
 
+def test_time_limit_is_not_swallowed_by_except_exception():
+    scorer = RewardScorer([python_fn("swallows_exceptions", timeout_s=0.2)])
+    assert scorer(inputs(["a"])).errors["python"] == [
+        "reward 'python': RewardTimeout: took longer than 0.2 s"
+    ]
+
+
 def test_time_limit_outside_the_main_thread():
     box = {}
 

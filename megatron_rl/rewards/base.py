@@ -31,8 +31,8 @@ class RewardInput:
     finish_reason: str = "stop"
 
 
-class RewardTimeout(Exception):
-    pass
+class RewardTimeout(BaseException):
+    """A BaseException, so that user code's `except Exception` cannot swallow the alarm."""
 
 
 def call_with_time_limit(fn: Callable[[], Any], seconds: float | None) -> Any:
@@ -97,7 +97,7 @@ class RewardFunction:
                 values = [float(v) for v in values]
                 if len(values) != len(batch):
                     raise ValueError(f"returned {len(values)} scores for {len(batch)} samples")
-            except Exception as e:
+            except (Exception, RewardTimeout) as e:
                 msg = f"reward {self.name!r}: {type(e).__name__}: {e}"
                 return [math.nan] * len(batch), [msg] * len(batch)
             return _finite(self.name, values)
@@ -107,7 +107,7 @@ class RewardFunction:
                 values.append(
                     float(call_with_time_limit(lambda s=sample: self.score_one(s), self.timeout_s))
                 )
-            except Exception as e:
+            except (Exception, RewardTimeout) as e:
                 values.append(math.nan)
                 errors.append(f"reward {self.name!r}: {type(e).__name__}: {e}")
                 continue
