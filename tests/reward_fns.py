@@ -66,3 +66,14 @@ def swallows_exceptions(prompt: str, response: str, label) -> float:
             time.sleep(0.05)
         except Exception:
             pass
+
+
+def first_char_parity(prompt: str, response: str, label) -> float:
+    """+1 if the response's first character has an even code point, else -1: a reward the
+    critic can learn (every token after the first sees it), for value pretraining tests."""
+    return 1.0 if response and ord(response[0]) % 2 == 0 else -1.0
+
+
+def label_sign(prompt: str, response: str, label) -> float:
+    """+1 for label "good", -1 otherwise: returns that depend on the prompt only."""
+    return 1.0 if label == "good" else -1.0

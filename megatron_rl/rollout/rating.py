@@ -19,6 +19,7 @@ produce the same samples and ratings for a fixed engine seed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections import deque
@@ -83,6 +84,12 @@ class _Chunk:
     handle: object
 
 
+def request_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (distinct parts give unrelated seeds)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
 def _reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
     return [
         RewardInput(
@@ -104,6 +111,7 @@ def generate_samples_with_rating(
     sampling: SamplingConfig,
     tokenizer,
     config: RatingConfig | None = None,
+    seed: int | None = None,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -112,6 +120,8 @@ def generate_samples_with_rating(
     Responses are decoded with `tokenizer` (special tokens dropped) before scoring; reward
     failures get their function's failure reward and are counted; the call raises
     `RewardFailureError` when one function fails on more than `max_failure_ratio` of samples.
+    With `seed`, every request gets its own seed from (seed, prompt row, chunk, position), so
+    the rollout does not depend on what the engine generated before (resume is exact).
     """
     config = config or RatingConfig()
     if rollout_size < 1:
@@ -134,7 +144,12 @@ def generate_samples_with_rating(
             k = min(chunk_size, rollout_size - optimistic) if strategy.exact else chunk_size
             batch = prompts.take(k)
             t0 = time.time()
-            samples = engine.generate([p.prompt_token_ids for p in batch], sampling)
+            ids = [p.prompt_token_ids for p in batch]
+            if seed is None:
+                samples = engine.generate(ids, sampling)
+            else:
+                seeds = [request_seed(seed, p.row, num_chunks, i) for i, p in enumerate(batch)]
+                samples = engine.generate(ids, sampling, seeds)
             timeline.append(("generate", num_chunks, t0, time.time()))
             texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             handle = reward_fns.submit(_reward_inputs(batch, samples, texts))

@@ -119,6 +119,13 @@ class VLLMEngine:
         self.sleep_mode = not on_cpu
         self.llm = LLM(**kwargs)
 
+    def shutdown(self) -> None:
+        """Release the engine and its process groups now (vLLM would otherwise do it from a
+        finaliser at exit, after torch.distributed is gone, and raise)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+
     def sleep(self) -> None:
         """Free GPU memory for training: discard the KV cache, offload weights to the host."""
         if self.sleep_mode:
@@ -158,16 +165,28 @@ class VLLMEngine:
             for seq, out in zip(sequences, outputs, strict=True)
         ]
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Sample]:
-        """Sample `sampling.n` responses for each prompt (token ids); prompt-major order."""
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+    ) -> list[Sample]:
+        """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
+
+        `seeds`: one per prompt (distinct ones!) to make each request's samples reproducible
+        whatever else the engine generated before, which checkpoint/resume relies on."""
         if not prompts:
             return []
+        params = sampling.to_vllm()
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            params = [params.clone() for _ in prompts]
+            for p, seed in zip(params, seeds, strict=True):
+                p.seed = seed
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts],
-            sampling.to_vllm(),
+            params,
             use_tqdm=False,
         )
         samples = []

@@ -11,6 +11,7 @@ group returns the same tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -282,9 +283,17 @@ class TrainableRole(MegatronRole):
     def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
         metrics = self.compute_gradients(batch, cfg, num_microbatches)
+        # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
+        # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad()
+            metrics.update(grad_norm=norm, update_ok=False, skipped_nonfinite=1.0)
+            return metrics
         ok, grad_norm, _ = self.optimizer.step()
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else norm
         metrics["update_ok"] = bool(ok)
+        metrics["skipped_nonfinite"] = 0.0
         return metrics
 
 

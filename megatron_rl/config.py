@@ -1,0 +1,333 @@
+"""The run's configuration: typed dataclasses, read from YAML, overridden by `key=value`.
+
+    torchrun ... -m megatron_rl.train --config examples/tiny/vapo.yaml trainer.total_steps=3 \\
+        actor.optim.lr=1e-5 data.path=/data/math.jsonl
+
+Every key is checked against the dataclasses: an unknown key is an error that names it and
+suggests the closest known one; a value of the wrong type names the key and the expected
+type. `validate_config` checks the numbers that must agree (layout vs model, batch sizes vs
+micro-batches x DP) before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, AdvantageConfig
+from megatron_rl.data.prompts import PromptDataConfig
+from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.platform import ParallelLayout
+from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
+from megatron_rl.rewards.pool import ScoringPoolConfig
+from megatron_rl.rollout.rating import RatingConfig
+from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
+from megatron_rl.workers.megatron_model import OptimConfig
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    """HF checkpoint of the policy: actor, reference and the vLLM engine start from it."""
+    critic_path: str | None = None
+    """HF checkpoint the critic starts from: the policy (None) or a reward model whose
+    `score` head becomes the value head (VAPO initialises the critic from the RM)."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    rollout_batch_size: int = 8
+    """Prompts per step, over all DP ranks (VAPO: 512)."""
+    n_samples_per_prompt: int = 4
+    """Group sampling (VAPO: 16)."""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    vllm_tensor_parallel_size: int | None = None
+    """vLLM's TP; None: one engine per model-parallel group (TP x PP ranks)."""
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_space_gib: int = 1
+    rating: RatingConfig = field(default_factory=RatingConfig)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    ppo_mini_batch_size: int = 32
+    """Samples per optimizer step, over all DP ranks (VAPO: 512)."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank."""
+    ppo_epochs: int = 1
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: bool | None = None
+    """None: on for the GAE estimator (PPO/VAPO), off for the critic-free ones."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-6))
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    pretrain_steps: int = 0
+    """Value pretraining steps before PPO (VAPO: 50), policy frozen, lambda = 1 returns."""
+    pretrain_ev_threshold: float | None = None
+    """Stop value pretraining early once explained variance reaches this."""
+
+
+@dataclass(frozen=True)
+class RewardsConfig:
+    reward_fns: tuple[RewardFnConfig, ...] = ()
+    pool: ScoringPoolConfig = field(default_factory=ScoringPoolConfig)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    total_steps: int = 10
+    seed: int = 0
+    output_dir: str = "runs/train"
+    save_interval: int = 0
+    """Save every N steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 2
+    resume: bool = True
+    """Continue from the newest complete checkpoint in output_dir, if any."""
+    max_nonfinite_in_a_row: int = 3
+    """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
+    tensorboard: bool = True
+    """Also log to output_dir/tensorboard when TensorBoard is installed."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    data: PromptDataConfig = field(default_factory=lambda: PromptDataConfig(path=""))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AdvantageConfig = field(default_factory=AdvantageConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        if self.critic.enable is None:
+            return self.algorithm.estimator == "gae"
+        return self.critic.enable
+
+    @property
+    def use_reference(self) -> bool:
+        """beta = 0 skips the reference model entirely (no forward, no weights)."""
+        return self.algorithm.kl_coef > 0 or self.actor.loss.kl_loss_coef > 0
+
+
+# ------------------------------------------------------------------ dict/YAML -> dataclasses
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _unwrap_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _coerce(value: Any, tp, key: str):
+    tp, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"config key {key}: null is not allowed here")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key {key}: {value!r} is not one of {typing.get_args(tp)}")
+        return value
+    if origin is tuple or tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key}: expected a list, got {value!r}")
+        return tuple(value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is torch.dtype:
+        dtype = getattr(torch, str(value), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(
+                f"config key {key}: expected a torch dtype name (float32, bfloat16), got {value!r}"
+            )
+        return dtype
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key}: expected true or false, got {value!r}")
+    if tp in (int, float):
+        try:
+            number = tp(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None or (tp is int and isinstance(value, float) and value != int(value)):
+            raise ConfigError(f"config key {key}: expected {tp.__name__}, got {value!r}")
+        return number
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"config key {key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls, data: Any, prefix: str = ""):
+    """Build dataclass `cls` from nested dicts; unknown keys are errors with a suggestion."""
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key {prefix or '<root>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = (
+                f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
+            )
+            raise ConfigError(f"unknown config key {key!r}{hint}; known here: {sorted(fields)}")
+        if cls is RewardsConfig and name == "reward_fns":
+            if not isinstance(value, list):
+                raise ConfigError(f"config key {key}: expected a list of reward functions")
+            kwargs[name] = tuple(reward_fn_config(v, f"{key}[{i}]") for i, v in enumerate(value))
+            continue
+        kwargs[name] = _coerce(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config section {prefix or '<root>'}: {e}") from e
+
+
+def to_dict(config) -> dict:
+    """The resolved configuration as plain data (saved next to checkpoints and metrics)."""
+    if dataclasses.is_dataclass(config):
+        out = {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+        kind = getattr(type(config), "type", None)
+        if isinstance(config, RewardFnConfig) and kind:
+            out = {"type": kind, **out}
+        return out
+    if isinstance(config, torch.dtype):
+        return str(config).removeprefix("torch.")
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """`a.b.c=value` (value parsed as YAML) into nested dict `data`, in place."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {assignment!r}: expected key=value")
+    value = yaml.safe_load(raw) if raw else ""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {assignment!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {path}: not found") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return from_dict(TrainConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def validate_config(config: TrainConfig, world_size: int) -> None:
+    """Everything that can be checked before a process group or a model exists."""
+    from megatron_rl.models.architecture import ModelArchitecture
+
+    if not config.model.path:
+        raise ConfigError("config key model.path: the policy's HF checkpoint is required")
+    if not config.data.path:
+        raise ConfigError("config key data.path: the prompt dataset is required")
+    if not config.rewards.reward_fns:
+        raise ConfigError("config key rewards.reward_fns: at least one reward function is needed")
+    if config.algorithm.estimator not in ADV_ESTIMATORS:
+        close = difflib.get_close_matches(config.algorithm.estimator, ADV_ESTIMATORS, n=1)
+        raise ConfigError(
+            f"config key algorithm.estimator: unknown {config.algorithm.estimator!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; registered: {sorted(ADV_ESTIMATORS)}"
+        )
+    arch = ModelArchitecture.from_hf_config(config.model.path)
+    try:
+        config.parallel.validate(world_size, arch)
+    except ValueError as e:
+        raise ConfigError(f"config section parallel: {e}") from None
+    dp = config.parallel.data_parallel_size(world_size)
+    r, a = config.rollout, config.actor
+    if r.rollout_batch_size % dp:
+        raise ConfigError(
+            f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "
+            f"data-parallel size {dp} (world {world_size} / TP x PP {config.parallel.model_parallel_size})"
+        )
+    if a.ppo_mini_batch_size % (a.micro_batch_size * dp):
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is not divisible by "
+            f"actor.micro_batch_size x data-parallel size = {a.micro_batch_size} x {dp}"
+        )
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if samples % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples} is not "
+            f"divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}"
+        )
+    if r.rating.strategy != "plain" and config.algorithm.estimator in GROUP_ESTIMATORS:
+        if r.rating.strategy == "balance":
+            raise ConfigError(
+                f"rollout.rating.strategy=balance drops samples from groups; the group "
+                f"estimator {config.algorithm.estimator!r} needs whole groups"
+            )
+    if config.algorithm.estimator in GROUP_ESTIMATORS and r.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"algorithm.estimator={config.algorithm.estimator!r} needs "
+            f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
+        )
+    if config.critic.pretrain_steps and not config.use_critic:
+        raise ConfigError(
+            "critic.pretrain_steps > 0 needs a critic (critic.enable or estimator gae)"
+        )

@@ -1,0 +1,80 @@
+"""Train a policy with PPO/VAPO, GRPO, RLOO or REINFORCE++ on Megatron-core with vLLM rollouts.
+
+    torchrun --nproc-per-node 2 -m megatron_rl.train --config examples/tiny/vapo.yaml \\
+        [key=value ...]
+
+Reads like the algorithm (VAPO, arXiv 2504.05118):
+  1. value pretraining: the critic learns lambda=1 returns of the frozen policy;
+  2. each step: sample groups of responses with vLLM and score them; compute reference
+     and old log-probs, values, advantages; several PPO epochs of actor/critic updates;
+     push the new weights into vLLM.
+A run resumes from its newest checkpoint; SIGTERM/SIGUSR1 saves and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_rl.config import ConfigError, load_config
+
+
+def parse_args(argv=None, description: str = __doc__):
+    p = argparse.ArgumentParser(description=description.splitlines()[0])
+    p.add_argument("--config", help="YAML file (examples/tiny/vapo.yaml, ...)")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. trainer.total_steps=3")
+    a = p.parse_args(argv)
+    try:
+        return load_config(a.config, a.overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+
+
+def value_pretrain(trainer) -> None:
+    while not trainer.value_pretrain_done:
+        metrics = trainer.value_pretrain_step_once()
+        trainer.logger.log(
+            trainer.value_pretrain_step,
+            metrics,
+            "value_pretrain",
+            trainer.config.critic.pretrain_steps,
+        )
+        threshold = trainer.config.critic.pretrain_ev_threshold
+        if threshold is not None and metrics.get("critic/explained_variance", -1e9) >= threshold:
+            trainer.value_pretrain_step = trainer.config.critic.pretrain_steps  # converged
+        if trainer.stop_requested_anywhere():
+            trainer.save()
+            sys.exit(0)
+    trainer.save()  # the pretrained critic: PPO (or a later run) starts from it
+
+
+def train(trainer) -> None:
+    total, interval = trainer.config.trainer.total_steps, trainer.config.trainer.save_interval
+    while trainer.step < total:
+        metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync
+        trainer.logger.log(trainer.step, metrics)
+        if trainer.stop_requested_anywhere():
+            trainer.save()
+            sys.exit(0)
+        if trainer.step == total or (interval and trainer.step % interval == 0):
+            trainer.save()
+
+
+def main(argv=None) -> None:
+    config = parse_args(argv)
+    from megatron_rl.trainer.runner import RLTrainer
+
+    try:
+        trainer = RLTrainer(config)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    try:
+        if not trainer.value_pretrain_done:
+            value_pretrain(trainer)
+        train(trainer)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Step metrics: reduced over ranks, printed as a progress line, appended to metrics.jsonl,
+and written to TensorBoard when it is installed."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Mean of each key over the ranks that report it (PP stages report different keys;
+    TP ranks report the same values). Every rank gets the result."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(metrics)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics)
+    out = {}
+    for key in sorted({k for m in gathered for k in m}):
+        values = [float(m[key]) for m in gathered if key in m]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.start = time.time()
+        self.writer = None
+        if not enabled:
+            return
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (kept open for the run)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.dir / "tensorboard"))
+            except ImportError:
+                print("metrics: tensorboard is not installed; logging to metrics.jsonl only")
+
+    def log(
+        self, step: int, metrics: dict[str, float], stage: str = "train", total: int | None = None
+    ) -> None:
+        if not self.enabled:
+            return
+        # NaN/Inf (e.g. explained variance of constant returns) as null: strict JSON.
+        clean = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+            for k, v in metrics.items()
+        }
+        record = {"step": step, "stage": stage, **clean}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(f"{stage}/{k}", v, step)
+        elapsed = time.time() - self.start
+        total = total or self.total_steps
+        done = min(step / max(total, 1), 1.0)
+        bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
+        shown = " ".join(
+            f"{k}={metrics[k]:.4g}"
+            for k in (
+                "reward/mean",
+                "accuracy",
+                "pg_loss",
+                "critic/value_loss",
+                "critic/explained_variance",
+                "kl",
+            )
+            if k in metrics
+        )
+        print(
+            f"[{bar}] {stage} step {step}/{total} {elapsed:.0f}s {shown}",
+            file=sys.stdout,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.writer is not None:
+                self.writer.close()

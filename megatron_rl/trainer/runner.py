@@ -1,0 +1,340 @@
+"""`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, and
+offers the steps `megatron_rl.train` strings together.
+
+Ranks: one model replica per data-parallel rank, its TP x PP ranks sharing one vLLM engine
+(vLLM's external launcher, TP = TP x PP by default). Each DP rank draws its own slice of every
+rollout's prompts, scores its own samples, and the batches meet in the gradient all-reduce;
+whitening and loss normalisation use DP-global statistics.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+
+import torch
+import yaml
+
+from megatron_rl import platform
+from megatron_rl.config import TrainConfig, to_dict, validate_config
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
+from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.trainer.checkpoint import (
+    CheckpointManager,
+    load_role_state,
+    rng_state,
+    role_state,
+    set_rng_state,
+)
+from megatron_rl.trainer.experience import (
+    compute_advantages,
+    make_experience,
+    mini_batches,
+    rated_to_batch,
+)
+from megatron_rl.trainer.metrics import MetricsLogger, reduce_over_ranks
+
+STAGES = {"value_pretrain": 1, "train": 2}
+
+
+class DataParallelShard:
+    """Every DP rank draws the same prompts from the shared stream and keeps its slice, so
+    the data position is one number for the whole run."""
+
+    def __init__(self, stream, dp_rank: int, dp_size: int):
+        self.stream, self.dp_rank, self.dp_size = stream, dp_rank, dp_size
+
+    def take(self, k: int) -> list:
+        drawn = self.stream.take(k * self.dp_size)
+        return drawn[self.dp_rank * k : (self.dp_rank + 1) * k]
+
+
+class NonFiniteUpdates(RuntimeError):
+    pass
+
+
+def _dp_min(value: int) -> int:
+    from megatron.core import parallel_state
+
+    t = torch.tensor([value], dtype=torch.long)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MIN, group=parallel_state.get_data_parallel_group()
+        )
+    return int(t.item())
+
+
+def _mean_metrics(records: list[dict]) -> dict[str, float]:
+    keys = {k for r in records for k in r}
+    out = {}
+    for k in keys:
+        values = [float(r[k]) for r in records if k in r]
+        out[k] = sum(values) / len(values)
+    return out
+
+
+class RLTrainer:
+    def __init__(self, config: TrainConfig):
+        from transformers import AutoTokenizer
+
+        from megatron_rl.data import PromptStream, load_prompts
+        from megatron_rl.rewards import make_scoring_pool
+        from megatron_rl.workers.critic import Critic
+        from megatron_rl.workers.policy import Actor, ReferencePolicy
+
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        validate_config(config, world_size)  # before any process group or model
+        self.config = config
+        c, t = config, config.trainer
+        layout = c.parallel
+        arch = ModelArchitecture.from_hf_config(c.model.path)
+        self.ctx = platform.initialize(layout, arch=arch, seed=t.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(c.model.path)
+        self.pad_token_id = self.tokenizer.pad_token_id or 0
+        self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
+        precision = c.model.precision
+        self.actor = Actor(arch, layout, c.model.path, precision, c.actor.optim)
+        self.reference = (
+            ReferencePolicy(arch, layout, c.model.path, precision) if c.use_reference else None
+        )
+        self.critic = None
+        if c.use_critic:
+            critic_path = c.model.critic_path or c.model.path
+            critic_arch = ModelArchitecture.from_hf_config(critic_path)
+            self.critic = Critic(critic_arch, layout, critic_path, precision, c.critic.optim)
+            self._load_rm_head(critic_path)
+        r = c.rollout
+        self.engine = VLLMEngine(
+            c.model.path,
+            EngineConfig(
+                tensor_parallel_size=r.vllm_tensor_parallel_size or layout.model_parallel_size,
+                seed=t.seed,
+                max_model_len=r.max_model_len,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                cpu_kv_cache_space_gib=r.cpu_kv_cache_space_gib,
+                external_launcher="WORLD_SIZE" in os.environ,
+            ),
+        )
+        self.sampling = SamplingConfig(
+            n=r.n_samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+        )
+        self.pool = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool)
+        self.checkpoints = CheckpointManager(
+            t.output_dir, self.ctx.rank, self.ctx.world_size, t.keep_last
+        )
+        self.logger = MetricsLogger(t.output_dir, t.total_steps, self.ctx.rank == 0, t.tensorboard)
+        self.step = 0
+        self.value_pretrain_step = 0
+        self.nonfinite_in_a_row = 0
+        self.stop_requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+        if t.resume and (latest := self.checkpoints.latest()) is not None:
+            self.resume(latest)
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _load_rm_head(self, critic_path: str) -> None:
+        from megatron_rl.models.critic import load_value_head
+        from megatron_rl.models.hf_mapping import HFCheckpointReader
+
+        reader = HFCheckpointReader(critic_path)
+        if "score.weight" in reader.keys():  # a reward model: its score head is the value head
+            load_value_head(self.critic.chunks, reader)
+
+    def _on_signal(self, signum, frame) -> None:
+        # SLURM pre-emption (SIGTERM, or SIGUSR1 from --signal): finish the step, save, exit.
+        self.stop_requested = True
+
+    def stop_requested_anywhere(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @property
+    def dp_size(self) -> int:
+        return self.ctx.dp_size
+
+    @property
+    def value_pretrain_done(self) -> bool:
+        return self.critic is None or self.value_pretrain_step >= self.config.critic.pretrain_steps
+
+    # ------------------------------------------------------------------ the steps
+
+    def generate_and_score(self, stage: str, step: int):
+        """This DP rank's rated groups for one step, trimmed to the same count on every DP
+        rank (dynamic filtering can come back short), and the rollout metrics."""
+        c = self.config
+        rollout = generate_samples_with_rating(
+            DataParallelShard(self.prompts, self.ctx.dp_rank, self.dp_size),
+            c.rollout.rollout_batch_size // self.dp_size,
+            self.engine,
+            self.pool,
+            self.sampling,
+            self.tokenizer,
+            c.rollout.rating,
+            seed=request_seed(c.trainer.seed, STAGES[stage], step),
+        )
+        groups = rollout.groups[: _dp_min(len(rollout.groups))]
+        samples = [s for g in groups for s in g]
+        metrics = dict(rollout.metrics)
+        if samples:
+            rewards = torch.tensor([s.reward for s in samples])
+            lengths = torch.tensor([s.sample.response_length for s in samples], dtype=torch.float)
+            metrics.update(
+                {
+                    "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                    "accuracy": (rewards > 0).float().mean().item(),
+                    "response_length/max": lengths.max().item(),
+                    "response_length/clip_ratio": sum(
+                        s.sample.finish_reason == "length" for s in samples
+                    )
+                    / len(samples),
+                }
+            )
+        return groups, metrics
+
+    def _minibatch_plan(self) -> tuple[int, int]:
+        a = self.config.actor
+        per_rank = a.ppo_mini_batch_size // self.dp_size
+        return per_rank, per_rank // a.micro_batch_size
+
+    def _generator(self, stage: str, step: int) -> torch.Generator:
+        return torch.Generator().manual_seed(
+            request_seed(self.config.trainer.seed, STAGES[stage], step, 7)
+        )
+
+    def _check_nonfinite(self, records: list[dict]) -> None:
+        skipped = sum(r.get("skipped_nonfinite", 0.0) for r in records)
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        limit = self.config.trainer.max_nonfinite_in_a_row
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteUpdates(
+                f"{self.nonfinite_in_a_row} steps in a row had NaN/Inf loss or gradients "
+                f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
+            )
+
+    def update(self, batch, step: int) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
+        c = self.config
+        per_rank, nmb = self._minibatch_plan()
+        g = self._generator("train", step)
+        actor_records, critic_records = [], []
+        for _ in range(c.actor.ppo_epochs):
+            for mb in mini_batches(batch, per_rank, g):
+                actor_records.append(self.actor.update(mb, c.actor.loss, nmb))
+                if self.critic is not None:
+                    critic_records.append(self.critic.update(mb, c.critic.loss, nmb))
+        self._check_nonfinite(actor_records + critic_records)
+        metrics = _mean_metrics(actor_records)
+        metrics.update({f"critic/{k}": v for k, v in _mean_metrics(critic_records).items()})
+        metrics["num_updates"] = float(len(actor_records))
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One PPO/GRPO/... step: rollout, experience, updates, weight sync."""
+        c, step = self.config, self.step
+        t0 = time.perf_counter()
+        groups, metrics = self.generate_and_score("train", step)
+        t1 = time.perf_counter()
+        batch, exp_metrics = make_experience(
+            groups,
+            self.actor,
+            self.critic,
+            self.reference,
+            c,
+            c.actor.micro_batch_size,
+            self.pad_token_id,
+        )
+        t2 = time.perf_counter()
+        metrics.update(exp_metrics)
+        metrics.update(self.update(batch, step))
+        t3 = time.perf_counter()
+        from megatron_rl.sync.weight_sync import sync_weights
+
+        sync_weights(self.actor, self.engine)
+        t4 = time.perf_counter()
+        tokens = float(
+            batch.response_mask.sum()
+            + sum(len(s.sample.prompt_token_ids) for g in groups for s in g)
+        )
+        metrics.update(
+            {
+                "timing/rollout_s": t1 - t0,
+                "timing/experience_s": t2 - t1,
+                "timing/train_s": t3 - t2,
+                "timing/sync_s": t4 - t3,
+                "timing/step_s": t4 - t0,
+                "tokens_per_s": tokens / (t4 - t0),
+            }
+        )
+        self.step += 1
+        return reduce_over_ranks(metrics)
+
+    def value_pretrain_step_once(self) -> dict[str, float]:
+        """VC-PPO/VAPO value pretraining: policy frozen, critic regresses lambda = 1
+        Monte-Carlo returns (the final reward on every token when gamma = 1)."""
+        c, step = self.config, self.value_pretrain_step
+        groups, metrics = self.generate_and_score("value_pretrain", step)
+        batch, group_index = rated_to_batch(groups, self.pad_token_id)
+        per_rank, nmb = self._minibatch_plan()
+        values = self.critic.compute_values(batch, max(1, len(batch) // c.actor.micro_batch_size))
+        mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
+        _, returns = compute_advantages(batch, group_index, mc, values)
+        batch = batch.with_fields(returns=returns, old_values=values)
+        records = [
+            self.critic.update(mb, c.critic.loss, nmb)
+            for mb in mini_batches(batch, per_rank, self._generator("value_pretrain", step))
+        ]
+        self._check_nonfinite(records)
+        metrics.update({f"critic/{k}": v for k, v in _mean_metrics(records).items()})
+        self.value_pretrain_step += 1
+        return reduce_over_ranks(metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        rank_state = {
+            "actor": role_state(self.actor),
+            "critic": role_state(self.critic),
+            "rng": rng_state(),
+        }
+        trainer_state = {
+            "step": self.step,
+            "value_pretrain_step": self.value_pretrain_step,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "data": self.prompts.state_dict(),
+        }
+        config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)
+        # Checkpoints are numbered by progress over both stages, so the newest sorts last.
+        progress = self.value_pretrain_step + self.step
+        path = self.checkpoints.save(progress, rank_state, trainer_state, config_yaml)
+        if self.ctx.rank == 0:
+            print(f"saved checkpoint {path}", flush=True)
+
+    def resume(self, path) -> None:
+        from megatron_rl.sync.weight_sync import sync_weights
+
+        state, trainer_state = self.checkpoints.load(path)
+        load_role_state(self.actor, state["actor"], "actor", path)
+        load_role_state(self.critic, state["critic"], "critic", path)
+        set_rng_state(state["rng"])
+        self.prompts.load_state_dict(trainer_state["data"])
+        self.step = trainer_state["step"]
+        self.value_pretrain_step = trainer_state["value_pretrain_step"]
+        self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
+        sync_weights(self.actor, self.engine)  # the engine started from the HF weights
+        if self.ctx.rank == 0:
+            print(f"resumed from {path} (step {self.step})", flush=True)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.pool.close()
+        self.engine.shutdown()  # its process groups first, then ours
+        platform.destroy()

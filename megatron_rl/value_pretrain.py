@@ -1,0 +1,35 @@
+"""Value pretraining alone (VC-PPO, VAPO): the critic learns the frozen policy's lambda=1
+Monte-Carlo returns for `critic.pretrain_steps` steps (or until explained variance reaches
+`critic.pretrain_ev_threshold`), then the critic is saved as a checkpoint in
+`trainer.output_dir`, from which `megatron_rl.train` with the same output_dir continues.
+
+    torchrun --nproc-per-node 2 -m megatron_rl.value_pretrain --config examples/tiny/vapo.yaml
+"""
+
+from __future__ import annotations
+
+from megatron_rl.config import ConfigError
+from megatron_rl.train import parse_args, value_pretrain
+
+
+def main(argv=None) -> None:
+    config = parse_args(argv, __doc__)
+    from megatron_rl.trainer.runner import RLTrainer
+
+    if config.critic.pretrain_steps < 1:
+        raise SystemExit("config error: critic.pretrain_steps must be >= 1 for value pretraining")
+    try:
+        trainer = RLTrainer(config)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    try:
+        if trainer.value_pretrain_done:
+            print("value pretraining already done in this output_dir", flush=True)
+        else:
+            value_pretrain(trainer)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    main()
