@@ -213,7 +213,10 @@ def from_dict(cls, data: Any, prefix: str = ""):
         if cls is RewardsConfig and name == "reward_fns":
             if not isinstance(value, list):
                 raise ConfigError(f"config key {key}: expected a list of reward functions")
-            kwargs[name] = tuple(reward_fn_config(v, f"{key}[{i}]") for i, v in enumerate(value))
+            try:
+                kwargs[name] = tuple(reward_fn_config(v, f"{key}[{i}]") for i, v in enumerate(value))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             continue
         kwargs[name] = _coerce(value, hints[name], key)
     try:

@@ -31,6 +31,7 @@ def parse_args(argv=None, description: str = __doc__):
 
 
 def value_pretrain(trainer) -> None:
+    interval = trainer.config.trainer.save_interval
     while not trainer.value_pretrain_done:
         metrics = trainer.value_pretrain_step_once()
         trainer.logger.log(
@@ -45,6 +46,8 @@ def value_pretrain(trainer) -> None:
         if trainer.stop_requested_anywhere():
             trainer.save()
             sys.exit(0)
+        if interval and trainer.value_pretrain_step % interval == 0 and not trainer.value_pretrain_done:
+            trainer.save()
     trainer.save()  # the pretrained critic: PPO (or a later run) starts from it
 
 

@@ -1,0 +1,170 @@
+"""The run configuration: YAML + key=value overrides, typed, checked before anything starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.config import (
+    ConfigError,
+    TrainConfig,
+    from_dict,
+    load_config,
+    to_dict,
+    validate_config,
+)
+from megatron_rl.rewards import MathRewardConfig, PythonRewardConfig
+
+RECIPES = sorted(Path("examples/tiny").glob("*.yaml")) + [Path("examples/qwen2.5-32b/vapo.yaml")]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p))
+def test_every_recipe_loads_and_round_trips(recipe):
+    config = load_config(recipe)
+    assert from_dict(TrainConfig, yaml.safe_load(yaml.safe_dump(to_dict(config)))) == config
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    config = load_config(
+        "examples/tiny/vapo.yaml",
+        [
+            "trainer.total_steps=3",
+            "actor.optim.lr=1e-5",  # YAML 1.1 reads this as a string; the field makes it a float
+            "model.precision.params_dtype=bfloat16",
+            'rewards.reward_fns=[{type: python, path: "tests.reward_fns:constant"}]',
+            "rollout.rating.strategy=dynamic_filtering",
+        ],
+    )
+    assert config.trainer.total_steps == 3 and config.actor.optim.lr == 1e-5
+    assert str(config.model.precision.params_dtype) == "torch.bfloat16"
+    assert config.rewards.reward_fns == (PythonRewardConfig(path="tests.reward_fns:constant"),)
+    assert config.rollout.rating.strategy == "dynamic_filtering"
+    assert load_config("examples/tiny/vapo.yaml").rewards.reward_fns[0] == MathRewardConfig()
+
+
+def test_vapo_recipe_uses_the_papers_settings():
+    c = load_config("examples/qwen2.5-32b/vapo.yaml")
+    assert (c.actor.optim.lr, c.critic.optim.lr) == (1e-6, 2e-6)
+    assert (c.algorithm.lambda_critic, c.algorithm.length_adaptive_alpha, c.algorithm.gamma) == (
+        1.0,
+        0.05,
+        1.0,
+    )
+    assert (c.actor.loss.clip_eps_low, c.actor.loss.clip_eps_high) == (0.2, 0.28)
+    assert c.actor.loss.loss_agg_mode == "token-mean" and c.actor.loss.nll_coef == 0.1
+    assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt) == (512, 16)
+    assert c.actor.ppo_mini_batch_size == 512 and c.critic.pretrain_steps == 50
+    assert not c.use_reference and c.use_critic
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "actor.optim.lrr=1",
+            r"unknown config key 'actor.optim.lrr' \(did you mean 'actor.optim.lr'\?\)",
+        ),
+        ("trainr.total_steps=1", r"unknown config key 'trainr' \(did you mean 'trainer'\?\)"),
+        ("trainer.total_steps=many", r"trainer.total_steps: expected int, got 'many'"),
+        ("parallel.tensor_model_parallel_size=1.5", r"tensor_model_parallel_size: expected int"),
+        ("critic.enable=maybe", r"critic.enable: expected true or false"),
+        ("actor.loss.loss_agg_mode=sum", r"actor.loss.loss_agg_mode: 'sum' is not one of"),
+        ("rewards.reward_fns=[{type: rm}]", r"rewards.reward_fns\[0\]: unknown type 'rm'"),
+        ("model.precision.params_dtype=float33", r"expected a torch dtype name"),
+        ("actor", r"override 'actor': expected key=value"),
+    ],
+)
+def test_bad_keys_and_values_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("examples/tiny/vapo.yaml", [override])
+
+
+def config_for(tiny_model_dir, *overrides):
+    return load_config("examples/tiny/vapo.yaml", [f"model.path={tiny_model_dir}", *overrides])
+
+
+def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
+    validate_config(config_for(tiny_model_dir), world_size=2)
+    with pytest.raises(
+        ConfigError, match="tensor_model_parallel_size=3 does not divide num_attention_heads=4"
+    ):
+        validate_config(
+            config_for(tiny_model_dir, "parallel.tensor_model_parallel_size=3"), world_size=3
+        )
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=8 is not divisible by .* = 3 x 2"):
+        validate_config(
+            config_for(
+                tiny_model_dir, "parallel.tensor_model_parallel_size=1", "actor.micro_batch_size=3"
+            ),
+            world_size=2,
+        )
+    with pytest.raises(
+        ConfigError, match="rollout_batch_size=3 is not divisible by the data-parallel size 2"
+    ):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "parallel.tensor_model_parallel_size=1",
+                "rollout.rollout_batch_size=3",
+            ),
+            world_size=2,
+        )
+    with pytest.raises(ConfigError, match="needs rollout.n_samples_per_prompt >= 2"):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "algorithm.estimator=grpo",
+                "rollout.n_samples_per_prompt=1",
+                "actor.ppo_mini_batch_size=4",
+            ),
+            2,
+        )
+    with pytest.raises(ConfigError, match=r"unknown 'gea' \(did you mean 'gae'\?\)"):
+        validate_config(config_for(tiny_model_dir, "algorithm.estimator=gea"), 2)
+    with pytest.raises(ConfigError, match="strategy=balance drops samples"):
+        validate_config(
+            config_for(
+                tiny_model_dir, "algorithm.estimator=grpo", "rollout.rating.strategy=balance"
+            ),
+            2,
+        )
+
+
+def test_critic_and_reference_follow_the_algorithm(tiny_model_dir):
+    assert config_for(tiny_model_dir).use_critic
+    assert not config_for(tiny_model_dir, "algorithm.estimator=rloo").use_critic
+    assert config_for(tiny_model_dir, "algorithm.estimator=rloo", "critic.enable=true").use_critic
+    assert not config_for(tiny_model_dir).use_reference  # beta = 0: no reference model at all
+    assert config_for(tiny_model_dir, "algorithm.kl_coef=0.01").use_reference
+
+
+def test_entry_point_fails_on_config_errors_before_building_anything(tiny_model_dir):
+    """No torchrun, no process group, no model: the message and exit code come first."""
+    for args, message in (
+        (["actor.optim.lrr=1"], "did you mean 'actor.optim.lr'"),
+        (
+            [f"model.path={tiny_model_dir}", "parallel.tensor_model_parallel_size=3"],
+            "does not divide num_attention_heads",
+        ),
+    ):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_rl.train",
+                "--config",
+                "examples/tiny/vapo.yaml",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "WORLD_SIZE": "3"},  # as torchrun would set it for 3 ranks
+        )
+        assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+        assert "config error" in r.stderr
