@@ -214,7 +214,9 @@ def from_dict(cls, data: Any, prefix: str = ""):
             if not isinstance(value, list):
                 raise ConfigError(f"config key {key}: expected a list of reward functions")
             try:
-                kwargs[name] = tuple(reward_fn_config(v, f"{key}[{i}]") for i, v in enumerate(value))
+                kwargs[name] = tuple(
+                    reward_fn_config(v, f"{key}[{i}]") for i, v in enumerate(value)
+                )
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             continue

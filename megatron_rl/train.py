@@ -46,7 +46,11 @@ def value_pretrain(trainer) -> None:
         if trainer.stop_requested_anywhere():
             trainer.save()
             sys.exit(0)
-        if interval and trainer.value_pretrain_step % interval == 0 and not trainer.value_pretrain_done:
+        if (
+            interval
+            and trainer.value_pretrain_step % interval == 0
+            and not trainer.value_pretrain_done
+        ):
             trainer.save()
     trainer.save()  # the pretrained critic: PPO (or a later run) starts from it
 
