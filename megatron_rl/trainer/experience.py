@@ -37,6 +37,15 @@ def rated_to_batch(groups, pad_token_id: int) -> tuple[TrainingBatch, torch.Tens
     return batch.with_fields(scores=scores), group_index
 
 
+def forward_microbatches(rows: int, micro_batch_size: int) -> int:
+    """Micro-batches for a forward-only pass: about `micro_batch_size` rows each, equal sizes
+    (the pipeline schedule needs one shape)."""
+    k = max(1, -(-rows // micro_batch_size))
+    while rows % k:
+        k += 1
+    return k
+
+
 def data_parallel_moments(m: Moments) -> Moments:
     from megatron.core import parallel_state
 
@@ -72,7 +81,7 @@ def make_experience(
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch and
     the experience metrics (KL, log-prob gap engine vs trainer, advantage/value means)."""
     batch, group_index = rated_to_batch(groups, pad_token_id)
-    nmb = max(1, len(batch) // micro_batch_size)
+    nmb = forward_microbatches(len(batch), micro_batch_size)
     mask = batch.response_mask
     old = actor.compute_logprobs(batch, nmb)
     fields = {"old_logprobs": old}

@@ -31,6 +31,7 @@ from megatron_rl.trainer.checkpoint import (
 )
 from megatron_rl.trainer.experience import (
     compute_advantages,
+    forward_microbatches,
     make_experience,
     mini_batches,
     rated_to_batch,
@@ -242,6 +243,10 @@ class RLTrainer:
         c, step = self.config, self.step
         t0 = time.perf_counter()
         groups, metrics = self.generate_and_score("train", step)
+        if not groups:  # dynamic filtering found nothing informative within its cap
+            self.step += 1
+            metrics["skipped_update"] = 1.0
+            return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
         batch, exp_metrics = make_experience(
             groups,
@@ -282,9 +287,14 @@ class RLTrainer:
         Monte-Carlo returns (the final reward on every token when gamma = 1)."""
         c, step = self.config, self.value_pretrain_step
         groups, metrics = self.generate_and_score("value_pretrain", step)
+        if not groups:
+            self.value_pretrain_step += 1
+            return reduce_over_ranks({**metrics, "skipped_update": 1.0})
         batch, group_index = rated_to_batch(groups, self.pad_token_id)
         per_rank, nmb = self._minibatch_plan()
-        values = self.critic.compute_values(batch, max(1, len(batch) // c.actor.micro_batch_size))
+        values = self.critic.compute_values(
+            batch, forward_microbatches(len(batch), c.actor.micro_batch_size)
+        )
         mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
         _, returns = compute_advantages(batch, group_index, mc, values)
         batch = batch.with_fields(returns=returns, old_values=values)
