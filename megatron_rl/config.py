@@ -105,6 +105,10 @@ class TrainerConfig:
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
     tensorboard: bool = True
     """Also log to output_dir/tensorboard when TensorBoard is installed."""
+    eval_data_path: str | None = None
+    """Held-out prompts (same fields as data): greedy accuracy before training, every
+    eval_interval steps and at the end (metrics eval/accuracy, eval/reward_mean)."""
+    eval_interval: int = 0
 
 
 @dataclass(frozen=True)

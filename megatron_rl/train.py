@@ -57,8 +57,15 @@ def value_pretrain(trainer) -> None:
 
 def train(trainer) -> None:
     total, interval = trainer.config.trainer.total_steps, trainer.config.trainer.save_interval
+    eval_interval = trainer.config.trainer.eval_interval
+    if trainer.eval_prompts is not None and trainer.step == 0:
+        trainer.logger.log(0, trainer.evaluate(), "eval")
     while trainer.step < total:
         metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync
+        if trainer.eval_prompts is not None and (
+            trainer.step == total or (eval_interval and trainer.step % eval_interval == 0)
+        ):
+            metrics.update(trainer.evaluate())
         trainer.logger.log(trainer.step, metrics)
         if trainer.stop_requested_anywhere():
             trainer.save()

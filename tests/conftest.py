@@ -30,6 +30,15 @@ def llama_rm_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-rm", spec)
 
 
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):
+    """One in-process vLLM engine on the tiny model for every test that only generates (its
+    start-up, mostly importing vLLM, is the expensive part)."""
+    from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
+
+    return VLLMEngine(tiny_model_dir, EngineConfig(seed=0, max_model_len=256))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

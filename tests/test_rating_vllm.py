@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -16,7 +15,7 @@ from megatron_rl.rewards import (
     make_scoring_pool,
 )
 from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.vllm_engine import SamplingConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -44,14 +43,9 @@ def dataset(tiny_model_dir, tokenizer, tmp_path_factory):
     return load_prompts(PromptDataConfig(path=str(path)), tokenizer)
 
 
-def new_engine(model_dir):
-    gc.collect()  # let a previous engine's KV cache go first
-    return VLLMEngine(model_dir, EngineConfig(seed=0, max_model_len=256))
-
-
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return new_engine(tiny_model_dir)
+def engine(vllm_engine):
+    return vllm_engine
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +59,16 @@ def ray_session():
     ray.shutdown()
 
 
-def rollout(dataset, engine, pool, tokenizer, size, **cfg):
+def rollout(dataset, engine, pool, tokenizer, size, seed=None, **cfg):
     return generate_samples_with_rating(
-        PromptStream(dataset, seed=1), size, engine, pool, SAMPLING, tokenizer, RatingConfig(**cfg)
+        PromptStream(dataset, seed=1),
+        size,
+        engine,
+        pool,
+        SAMPLING,
+        tokenizer,
+        RatingConfig(**cfg),
+        seed=seed,
     )
 
 
@@ -141,20 +142,17 @@ def test_unknown_strategy_is_refused(dataset, engine, tokenizer):
         )
 
 
-def test_ray_pool_overlaps_scoring_and_matches_inline(
-    tiny_model_dir, dataset, tokenizer, ray_session
-):
+def test_ray_pool_overlaps_scoring_and_matches_inline(engine, dataset, tokenizer, ray_session):
     """Same seed, same samples and ratings; with Ray the engine generates chunk k+1 while
-    chunk k is being scored, inline it waits."""
+    chunk k is being scored, inline it waits. Per-request seeds make both runs independent
+    of what the shared engine generated before (as in the trainer)."""
     fns = reward("slow_length_parity", kwargs={"delay_s": 0.05})
     cfg = dict(chunk_size=3, strategy="dynamic_filtering", max_inflight_chunks=2)
     runs = {}
     for workers in (0, 2):
-        engine = new_engine(tiny_model_dir)
         pool = make_scoring_pool(fns, ScoringPoolConfig(num_workers=workers))
-        runs[workers] = rollout(dataset, engine, pool, tokenizer, 6, **cfg)
+        runs[workers] = rollout(dataset, engine, pool, tokenizer, 6, seed=11, **cfg)
         pool.close()
-        del engine
     inline, ray_run = runs[0], runs[2]
 
     def flat(run):

@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.vllm_engine import SamplingConfig
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    return VLLMEngine(tiny_model_dir, EngineConfig(seed=0, max_model_len=256))
+def engine(vllm_engine):
+    return vllm_engine
 
 
 @pytest.fixture(scope="module")

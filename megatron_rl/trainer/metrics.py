@@ -78,6 +78,7 @@ class MetricsLogger:
                 "critic/value_loss",
                 "critic/explained_variance",
                 "kl",
+                "eval/accuracy",
             )
             if k in metrics
         )

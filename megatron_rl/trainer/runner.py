@@ -126,6 +126,10 @@ class RLTrainer:
             max_new_tokens=r.max_new_tokens,
         )
         self.pool = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool)
+        self.eval_prompts = None
+        if t.eval_data_path:
+            eval_data = replace(c.data, path=t.eval_data_path)
+            self.eval_prompts = load_prompts(eval_data, self.tokenizer).records
         self.checkpoints = CheckpointManager(
             t.output_dir, self.ctx.rank, self.ctx.world_size, t.keep_last
         )
@@ -306,6 +310,33 @@ class RLTrainer:
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(records).items()})
         self.value_pretrain_step += 1
         return reduce_over_ranks(metrics)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the held-out prompts (each DP rank scores its slice)."""
+        from megatron_rl.rewards.base import RewardInput
+
+        mine = self.eval_prompts[self.ctx.dp_rank :: self.dp_size]
+        greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=self.sampling.max_new_tokens)
+        samples = self.engine.generate([p.prompt_token_ids for p in mine], greedy)
+        texts = self.tokenizer.batch_decode(
+            [s.token_ids for s in samples], skip_special_tokens=True
+        )
+        inputs = [
+            RewardInput(p.prompt, p.prompt_text, text, p.label, s.finish_reason)
+            for p, s, text in zip(mine, samples, texts, strict=True)
+        ]
+        rewards = torch.tensor(self.pool.result(self.pool.submit(inputs)).scored.rewards)
+        counts = torch.tensor(
+            [float((rewards > 0).sum()), float(rewards.sum()), float(len(rewards))]
+        )
+        from megatron.core import parallel_state
+
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        return {
+            "eval/accuracy": (counts[0] / counts[2]).item(),
+            "eval/reward_mean": (counts[1] / counts[2]).item(),
+        }
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,0 +1,95 @@
+"""Supervised warm start: teach the policy the answer format before RL (the tiny demo).
+
+    python -m megatron_rl.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
+        --lr 1e-3 --batch-size 16 --response-template 'The answer is \\boxed{{{answer}}}.']
+
+Gold responses are the template filled with each row's label, closed by the tokenizer's EOS.
+The loss is the actor's positive-sample NLL with every sample positive and zero advantages,
+i.e. the token-mean NLL of the responses (prompt tokens excluded). One process (world size 1,
+TP=1); the result is an HF checkpoint (weights + the input's config and tokenizer), written
+to a temporary directory and renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--response-template", default="The answer is \\boxed{{{answer}}}.")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from megatron_rl import platform
+    from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
+    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.rollout.parity import samples_to_batch
+    from megatron_rl.rollout.vllm_engine import Sample
+    from megatron_rl.workers.losses_config import PolicyLossConfig
+    from megatron_rl.workers.megatron_model import OptimConfig, export_hf_tensors
+    from megatron_rl.workers.policy import Actor
+
+    arch = ModelArchitecture.from_hf_config(a.model)
+    layout = platform.ParallelLayout()
+    platform.initialize(layout, arch=arch, seed=a.seed)
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    dataset = load_prompts(PromptDataConfig(path=a.data), tokenizer)
+    actor = Actor(arch, layout, a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0))
+    loss = PolicyLossConfig(nll_coef=1.0)
+    sampler = PromptSampler(len(dataset), seed=a.seed)
+    for step in range(a.steps):
+        rows = [dataset[i] for i in sampler.take(a.batch_size)]
+        samples = []
+        for r in rows:
+            text = a.response_template.format(answer=r.label)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            samples.append(Sample(0, 0, r.prompt_token_ids, ids, [0.0] * len(ids), "stop"))
+        batch = samples_to_batch(samples, tokenizer.pad_token_id or 0)
+        zeros = torch.zeros(batch.input_ids.shape)
+        batch = batch.with_fields(
+            old_logprobs=zeros, advantages=zeros, scores=torch.ones(len(batch))
+        )
+        metrics = actor.update(batch, loss)
+        if step % 20 == 0 or step == a.steps - 1:
+            print(f"sft step {step + 1}/{a.steps} nll {metrics['nll_loss']:.4f}", flush=True)
+
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tensors = {name: t.contiguous() for name, t in export_hf_tensors(actor.chunks, arch)}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        for f in Path(a.model).iterdir():
+            if (
+                f.suffix != ".safetensors"
+                and f.name != "model.safetensors.index.json"
+                and f.is_file()
+            ):
+                shutil.copy(f, tmp / f.name)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    platform.destroy()
+    print(f"wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
