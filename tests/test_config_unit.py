@@ -96,7 +96,7 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
         validate_config(
             config_for(tiny_model_dir, "parallel.tensor_model_parallel_size=3"), world_size=3
         )
-    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=8 is not divisible by .* = 3 x 2"):
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=64 is not divisible by .* = 3 x 2"):
         validate_config(
             config_for(
                 tiny_model_dir, "parallel.tensor_model_parallel_size=1", "actor.micro_batch_size=3"

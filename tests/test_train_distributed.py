@@ -22,6 +22,14 @@ from megatron_rl.launch import free_port, run_torchrun
 pytestmark = pytest.mark.distributed
 
 VARIED_REWARD = 'rewards.reward_fns=[{type: python, path: "tests.reward_fns:length_parity"}]'
+# The VAPO recipe is sized for the learning demo; the tests run it small and without eval.
+SMALL_VAPO = [
+    "rollout.rollout_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size=4",
+    "trainer.eval_data_path=null",
+]
 
 
 def train(recipe: str, out: Path, *overrides: str, timeout: float = 400):
@@ -76,6 +84,7 @@ def vapo_run(tiny_model_dir, labelled_prompts, tmp_path_factory):
     train(
         "vapo",
         out,
+        *SMALL_VAPO,
         f"model.path={tiny_model_dir}",
         f"data.path={labelled_prompts}",
         'rewards.reward_fns=[{type: python, path: "tests.reward_fns:label_sign"}]',
@@ -121,6 +130,7 @@ def test_resume_after_step_2_reproduces_steps_3_and_4(vapo_run, tmp_path):
     assert saved["step"] == 2 and saved["value_pretrain_step"] == 4
     cfg = yaml.safe_load((vapo_run / "checkpoints" / "step_000006" / "config.yaml").read_text())
     overrides = [
+        *SMALL_VAPO,
         f"model.path={cfg['model']['path']}",
         f"data.path={cfg['data']['path']}",
         'rewards.reward_fns=[{type: python, path: "tests.reward_fns:label_sign"}]',
