@@ -280,6 +280,17 @@ def test_policy_loss_matches_reference(seed, mode, dual_clip_c):
     assert 0 <= metrics["pg_clipfrac"] <= 1
 
 
+def test_clip_fractions_name_the_side_that_binds():
+    # token 0: ratio 1.5, A > 0 (above 1 + eps_high); token 1: ratio 0.5, A < 0 (below
+    # 1 - eps_low); token 2: ratio 1.1, A > 0 (inside); token 3: ratio 1.5, A < 0 (no clip).
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 1.5]], dtype=DTYPE)
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=DTYPE)
+    mask = torch.ones(1, 4, dtype=DTYPE)
+    _, m = ppo_policy_loss(ratio.log(), torch.zeros_like(ratio), adv, mask)
+    assert m["pg_clipfrac_high"].item() == 0.25 and m["pg_clipfrac_low"].item() == 0.25
+    assert m["pg_clipfrac"].item() == 0.5
+
+
 def test_clip_higher_is_asymmetric():
     mask = torch.ones(1, 2, dtype=DTYPE)
     old = torch.zeros(1, 2, dtype=DTYPE)

@@ -121,6 +121,7 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
                 "algorithm.estimator=grpo",
                 "rollout.n_samples_per_prompt=1",
                 "actor.ppo_mini_batch_size=4",
+                "actor.micro_batch_size=4",
             ),
             2,
         )

@@ -91,5 +91,9 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert s["reference_changed"] == [] and not s["reference_has_grads"]
     assert s["reference_logprob_drift"] == 0.0 and s["actor_logprob_change"] > 1e-3
     assert s["actor_metrics"]["update_ok"] and s["critic_metrics"]["update_ok"]
+    assert s["actor_metrics"]["skipped_nonfinite"] == 0.0
+    # NaN advantages: the update is skipped and counted, every weight stays as it was.
+    assert s["nan_metrics"]["skipped_nonfinite"] == 1.0 and not s["nan_metrics"]["update_ok"]
+    assert s["nan_unchanged"] == 51
     # Entropy of a near-uniform random model over the 500 real tokens (padding masked).
     assert abs(s["actor_metrics"]["entropy"] - torch.log(torch.tensor(500.0)).item()) < 0.1

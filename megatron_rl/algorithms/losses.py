@@ -91,7 +91,14 @@ def ppo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss_bt = torch.maximum(unclipped, clipped)
-    metrics = {"pg_clipfrac": masked_mean((clipped > unclipped).double(), response_mask)}
+    active = clipped > unclipped  # the clip binds: the gradient through ratio is cut
+    metrics = {
+        "pg_clipfrac": masked_mean(active.double(), response_mask),
+        # Which side binds: ratio below 1 - eps_low (A < 0) or above 1 + eps_high (A > 0);
+        # clip-higher moves only the second.
+        "pg_clipfrac_low": masked_mean((active & (ratio < 1.0)).double(), response_mask),
+        "pg_clipfrac_high": masked_mean((active & (ratio > 1.0)).double(), response_mask),
+    }
     if dual_clip_c is not None:
         bound = -advantages * dual_clip_c
         dual = (advantages < 0) & (loss_bt > bound)

@@ -285,6 +285,7 @@ class TrainableRole(MegatronRole):
         metrics = self.compute_gradients(batch, cfg, num_microbatches)
         # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
         # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
+        self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad, what the norm reads
         norm = float(self.optimizer.get_grad_norm())
         if not math.isfinite(norm):
             self.optimizer.zero_grad()

@@ -47,7 +47,18 @@ def main():
     actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
     critic_metrics = critic.update(batch, ValueLossConfig(), 2)
 
+    # A NaN in the advantages poisons the gradient: the step is skipped on every rank and no
+    # weight moves.
+    before_nan = snapshot(actor.chunks, arch)
+    nan_batch = batch.with_fields(
+        ref_logprobs=ref_logprobs, advantages=torch.full_like(batch.advantages, float("nan"))
+    )
+    nan_metrics = actor.update(nan_batch, cfg, 2)
+    nan_unchanged = len(unchanged(before_nan, snapshot(actor.chunks, arch)))
+
     summary = {
+        "nan_metrics": nan_metrics,
+        "nan_unchanged": nan_unchanged,
         "initial_logprob_gap": (ref_logprobs - actor_logprobs).abs().max().item(),
         "actor_unchanged": unchanged(actor_before, snapshot(actor.chunks, arch)),
         "actor_params": len(actor_before),
