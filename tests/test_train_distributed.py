@@ -78,22 +78,25 @@ def labelled_prompts(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def vapo_run(tiny_model_dir, labelled_prompts, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vapo") / "run"
-    train(
-        "vapo",
-        out,
+def vapo_overrides(model_dir, data_path) -> list[str]:
+    """4 value-pretraining + 4 PPO steps, a checkpoint after each, on prompt-labelled rewards."""
+    return [
         *SMALL_VAPO,
-        f"model.path={tiny_model_dir}",
-        f"data.path={labelled_prompts}",
+        f"model.path={model_dir}",
+        f"data.path={data_path}",
         'rewards.reward_fns=[{type: python, path: "tests.reward_fns:label_sign"}]',
         "critic.pretrain_steps=4",
         "critic.optim.lr=1e-3",
         "trainer.total_steps=4",
         "trainer.save_interval=1",
         "trainer.keep_last=20",
-    )
+    ]
+
+
+@pytest.fixture(scope="module")
+def vapo_run(tiny_model_dir, labelled_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vapo") / "run"
+    train("vapo", out, *vapo_overrides(tiny_model_dir, labelled_prompts))
     return out
 
 
@@ -117,7 +120,9 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     assert (vapo_run / "checkpoints" / "latest").read_text() == "step_000008"
 
 
-def test_resume_after_step_2_reproduces_steps_3_and_4(vapo_run, tmp_path):
+def test_resume_after_step_2_reproduces_steps_3_and_4(
+    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
     resumed = tmp_path / "resumed"
     shutil.copytree(vapo_run, resumed)
     for late in ("step_000007", "step_000008"):
@@ -129,18 +134,8 @@ def test_resume_after_step_2_reproduces_steps_3_and_4(vapo_run, tmp_path):
     )
     assert saved["step"] == 2 and saved["value_pretrain_step"] == 4
     cfg = yaml.safe_load((vapo_run / "checkpoints" / "step_000006" / "config.yaml").read_text())
-    overrides = [
-        *SMALL_VAPO,
-        f"model.path={cfg['model']['path']}",
-        f"data.path={cfg['data']['path']}",
-        'rewards.reward_fns=[{type: python, path: "tests.reward_fns:label_sign"}]',
-        "critic.pretrain_steps=4",
-        "critic.optim.lr=1e-3",
-        "trainer.total_steps=4",
-        "trainer.save_interval=1",
-        "trainer.keep_last=20",
-    ]
-    train("vapo", resumed, *overrides)
+    assert cfg["trainer"]["total_steps"] == 4  # the resolved config travels with the checkpoint
+    train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
 
     def comparable(r):
         return {k: v for k, v in r.items() if not k.startswith("timing/") and k != "tokens_per_s"}
