@@ -24,7 +24,7 @@ import yaml
 
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, AdvantageConfig
 from megatron_rl.data.prompts import PromptDataConfig
-from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
 from megatron_rl.platform import ParallelLayout
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
@@ -43,6 +43,8 @@ class ModelConfig:
     """HF checkpoint the critic starts from: the policy (None) or a reward model whose
     `score` head becomes the value head (VAPO initialises the critic from the RM)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recompute of the actor and critic (megatron's recompute_granularity)."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ megatron-core untouched. The patches (each tied to a call site in megatron-core 
    scoped to those calls only, so other code (vLLM, our own) never pays for it.
 4. `clip_grad_by_total_norm_fp32` asserts `grad.type() == 'torch.cuda.FloatTensor'`; it is
    replaced by the same scaling written device-agnostically.
+5. Activation recompute (`tensor_parallel.random.CheckpointFunction`) saves and restores the
+   CUDA generator's state next to the CPU one; on CPU the CPU generator is the only one, and
+   the same function already saves and restores it, so the CUDA half becomes a no-op.
 
 What is left out: fp16/bf16 optimizer wrappers and the distributed optimizer, which check for
 `torch.cuda.*Tensor` types; on CPU we train in fp32 with `use_distributed_optimizer=False`.
@@ -125,6 +128,10 @@ def apply() -> bool:
         _wrap_attr(module, "get_grad_norm_fp32")
         _wrap_attr(module, "count_zeros_fp32")
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
     _APPLIED = True
     return True

@@ -117,6 +117,48 @@ class PrecisionConfig:
             )
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute (Korthikanti et al. 2022), megatron-core's names.
+
+    "full": keep only each checkpointed block's input and recompute it in backward (about a
+    third more compute; what long responses at 32B need, see `tools/plan_memory.py`);
+    "selective": recompute the attention core only (no gain with flash attention, which
+    never stores the s x s scores).
+    """
+
+    granularity: str | None = None
+    """None, "full" or "selective"."""
+    method: str = "uniform"
+    """"uniform" (checkpoint every `num_layers` layers) or "block" (the first `num_layers`)."""
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.granularity is not None and self.granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute granularity={self.granularity!r}: expected one of "
+                f"{RECOMPUTE_GRANULARITIES} or None"
+            )
+        if self.method not in ("uniform", "block"):
+            raise ValueError(f"recompute method={self.method!r}: expected uniform or block")
+        if self.num_layers < 1:
+            raise ValueError(f"recompute num_layers={self.num_layers}: expected >= 1")
+
+    def transformer_config_kwargs(self) -> dict:
+        if self.granularity is None:
+            return {}
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective"}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": self.method,
+            "recompute_num_layers": self.num_layers,
+        }
+
+
 def sequence_multiple(layout: ParallelLayout, precision: PrecisionConfig | None = None) -> int:
     """Sequence lengths must be multiples of this: TP size under sequence parallelism (the
     sequence is split over TP ranks), 16 with FP8 (TE's FP8 GEMM alignment)."""
@@ -130,6 +172,7 @@ def transformer_config(
     arch: ModelArchitecture,
     layout: ParallelLayout,
     precision: PrecisionConfig | None = None,
+    recompute: RecomputeConfig | None = None,
 ):
     """The megatron-core TransformerConfig for `arch` under `layout`."""
     from megatron.core.transformer import TransformerConfig
@@ -185,6 +228,7 @@ def transformer_config(
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
         **fp8,
+        **(recompute or RecomputeConfig()).transformer_config_kwargs(),
     )
 
 
@@ -222,6 +266,7 @@ def build_gpt_model_chunks(
     *,
     use_transformer_engine: bool | None = None,
     max_sequence_length: int | None = None,
+    recompute: RecomputeConfig | None = None,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
 
@@ -233,7 +278,7 @@ def build_gpt_model_chunks(
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
-    config = transformer_config(arch, layout, precision)
+    config = transformer_config(arch, layout, precision, recompute)
     if config.fp8 and not use_transformer_engine:
         raise ValueError("fp8 needs the Transformer Engine layer spec (use_transformer_engine)")
     layer = layer_spec(use_transformer_engine)

@@ -97,7 +97,8 @@ class RLTrainer:
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
         precision = c.model.precision
-        self.actor = Actor(arch, layout, c.model.path, precision, c.actor.optim)
+        recompute = c.model.recompute
+        self.actor = Actor(arch, layout, c.model.path, precision, c.actor.optim, recompute)
         self.reference = (
             ReferencePolicy(arch, layout, c.model.path, precision) if c.use_reference else None
         )
@@ -105,7 +106,9 @@ class RLTrainer:
         if c.use_critic:
             critic_path = c.model.critic_path or c.model.path
             critic_arch = ModelArchitecture.from_hf_config(critic_path)
-            self.critic = Critic(critic_arch, layout, critic_path, precision, c.critic.optim)
+            self.critic = Critic(
+                critic_arch, layout, critic_path, precision, c.critic.optim, recompute
+            )
             self._load_rm_head(critic_path)
         r = c.rollout
         self.engine = VLLMEngine(

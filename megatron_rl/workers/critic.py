@@ -10,7 +10,7 @@ import torch
 from megatron_rl.algorithms.losses import clipped_value_loss, explained_variance
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
-from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.batch import TrainingBatch
@@ -31,10 +31,11 @@ class Critic(TrainableRole):
         hf_dir: str | Path | None = None,
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
+        recompute: RecomputeConfig | None = None,
     ):
         """`hf_dir`: the policy's (or a reward model's) transformer weights; the value head
         starts from a small random init until a reward model's score head is converted in."""
-        chunks = build_critic_chunks(arch, layout, precision)
+        chunks = build_critic_chunks(arch, layout, precision, recompute=recompute)
         if hf_dir is not None:
             load_hf_into_megatron(chunks, hf_dir, arch, skip={"output_layer.weight"})
         super().__init__(arch, layout, chunks, precision, optim or OptimConfig(lr=2e-6))

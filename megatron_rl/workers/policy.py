@@ -15,7 +15,7 @@ from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.losses import aggregate_loss, positive_sample_nll_loss, ppo_policy_loss
 from megatron_rl.algorithms.masked import masked_mean
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.gpt import PrecisionConfig, build_gpt_model_chunks
+from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_rl.platform import ParallelLayout
@@ -39,8 +39,8 @@ def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size))
 
 
-def _policy_chunks(arch, layout, hf_dir, precision) -> list:
-    chunks = build_gpt_model_chunks(arch, layout, precision)
+def _policy_chunks(arch, layout, hf_dir, precision, recompute=None) -> list:
+    chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute)
     if hf_dir is not None:
         load_hf_into_megatron(chunks, hf_dir, arch)
     return chunks
@@ -84,8 +84,9 @@ class Actor(_LogProbs, TrainableRole):
         hf_dir: str | Path | None = None,
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
+        recompute: RecomputeConfig | None = None,
     ):
-        chunks = _policy_chunks(arch, layout, hf_dir, precision)
+        chunks = _policy_chunks(arch, layout, hf_dir, precision, recompute)
         super().__init__(arch, layout, chunks, precision, optim)
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):

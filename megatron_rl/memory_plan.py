@@ -1,0 +1,348 @@
+"""Per-GPU memory of an RL step: actor + critic + reference model states, activations, and a
+colocated vLLM engine. Pure arithmetic on the model shape: no torch, no process group.
+
+Model states per parameter held by a GPU (mixed precision, megatron-core DDP with
+`grad_reduce_in_fp32=True` as `megatron_rl.workers.megatron_model` builds it):
+    weights 2 B (bf16) + grads 4 B (fp32 buffer) + Adam 12 B (fp32 master, m, v),
+the Adam part divided by DP under the distributed optimizer (ZeRO-1; Rajbhandari et al. 2020).
+fp32 training (the CPU path) keeps weights 4 B, grads 4 B, Adam m and v 8 B.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), itemised per tensor saved for backward by our layers rather than their
+GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
+  - `te` (GPU, Transformer Engine spec, flash attention): norm input and output of both
+    LayerNormLinear blocks (4h), Q, K, V and the attention output (2q + 2kv), fc1 output (2f)
+    and fc2 input (f); no s^2 term. FP8 stores GEMM inputs in 1 B.
+  - `local` (megatron-core's local spec + torch RMSNorm + unfused attention; what runs on
+    CPU): per norm its input, normalised x and output (3h, plus the rstd); Q and K, V
+    repeated to all heads and the context (4q); the softmax (a*s per token); fc1 output (2f)
+    and three f-sized tensors of the SwiGLU. Measured against saved-tensor hooks by
+    `tools/plan_memory.py --check-cpu`.
+h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
+always. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
+interleaved schedule L * (1 + (PP-1)/(PP*VPP)) layers' worth. Full recompute keeps each
+layer's input and recomputes one layer at a time; selective recompute (megatron's
+`core_attn`) drops the attention core's saved tensors but its inputs.
+The last stage also holds the log-prob and entropy path's three fp32 copies of the
+[micro-batch, seq, vocab/TP] logits (`megatron_rl.parallel.vocab`).
+
+vLLM colocated: it takes `gpu_memory_utilization` of the GPU during generation (its weights,
+then KV cache); in sleep mode (level 1) it holds nothing during training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.presets import param_count
+
+GiB = 2**30
+RECOMPUTE = (None, "selective", "full")
+PROFILES = ("te", "local")
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class MemoryPlanConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    data_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    micro_batch_size: int = 1
+    num_microbatches: int = 8
+    """Micro-batches per optimizer step on one DP rank (bounds what 1F1B keeps in flight)."""
+    seq_length: int = 4096
+    """Prompt + response tokens of one sample."""
+    recompute_granularity: str | None = None
+    """None, "selective" (attention core) or "full" (every layer, uniform, 1 layer a chunk)."""
+    fp8: bool = False
+    params_dtype: str = "bf16"
+    """bf16 (GPU) or fp32 (the CPU path)."""
+    profile: str = "te"
+    """Saved-activation profile: "te" (GPU) or "local" (megatron local spec, CPU)."""
+    critic: bool = True
+    reference: bool = False
+    """A reference policy for the KL term (VAPO has none)."""
+    vllm_gpu_memory_utilization: float = 0.0
+    """Fraction of the GPU vLLM takes while generating (0: no colocated engine)."""
+    vllm_tensor_parallel_size: int | None = None
+    vllm_sleep_mode: bool = True
+    gpu_memory_gib: float = 80.0
+    reserved_gib: float = 4.0
+    """CUDA context, NCCL buffers, allocator fragmentation: never available to tensors."""
+
+    def __post_init__(self) -> None:
+        if self.recompute_granularity not in RECOMPUTE:
+            raise PlanError(
+                f"recompute_granularity={self.recompute_granularity!r}: expected one of {RECOMPUTE}"
+            )
+        if self.profile not in PROFILES:
+            raise PlanError(f"profile={self.profile!r}: expected one of {PROFILES}")
+        if self.params_dtype not in ("bf16", "fp32"):
+            raise PlanError(f"params_dtype={self.params_dtype!r}: expected bf16 or fp32")
+        if self.fp8 and self.params_dtype != "bf16":
+            raise PlanError("fp8 needs params_dtype=bf16")
+        if not 0.0 <= self.vllm_gpu_memory_utilization < 1.0:
+            raise PlanError(
+                f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization}: expected "
+                "a fraction in [0, 1)"
+            )
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "data_parallel_size", "micro_batch_size", "num_microbatches",
+                     "seq_length"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise PlanError(f"{name}={getattr(self, name)}: expected a positive integer")
+
+    @property
+    def num_gpus(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU on the busiest pipeline stage."""
+
+    config: MemoryPlanConfig
+    params_per_gpu: dict[str, int]
+    states: dict[str, int]
+    """Per role: weights, grads, optimizer (bytes)."""
+    activations: dict[str, int]
+    """Per trained role: peak activation bytes during its update."""
+    vllm_bytes: int
+    vllm_kv_cache_bytes: int
+    vllm_kv_cache_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def states_bytes(self) -> int:
+        return sum(self.states.values())
+
+    @property
+    def train_bytes(self) -> int:
+        """Training one role at a time: all states resident + the larger activation peak."""
+        vllm = 0 if self.config.vllm_sleep_mode else self.vllm_bytes
+        return self.states_bytes + max(self.activations.values(), default=0) + vllm
+
+    @property
+    def rollout_bytes(self) -> int:
+        return self.states_bytes + self.vllm_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.train_bytes, self.rollout_bytes)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int((self.config.gpu_memory_gib - self.config.reserved_gib) * GiB)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes and self.vllm_kv_cache_bytes >= 0
+
+
+def stage_params(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
+    """Parameters one GPU holds on the largest pipeline stage (role: actor/critic/reference)."""
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    layer = (h * (q + 2 * kv) + q * h + 3 * h * f) // tp + 2 * h
+    if arch.qkv_bias:
+        layer += (q + 2 * kv) // tp
+    layers = arch.num_layers // pp * layer
+    embedding = arch.padded_vocab_size(tp) * h // tp
+    # The critic's head is [1, h]; the policy's output layer is the vocabulary (a tied one is
+    # still held by the last stage when it is not also the first).
+    if role == "critic":
+        head = h
+    elif arch.tie_word_embeddings and pp == 1:
+        head = 0
+    else:
+        head = embedding
+    first, last = layers + embedding, layers + head + h
+    return first + head + h if pp == 1 else max(first, last)
+
+
+def model_state_bytes(params: int, c: MemoryPlanConfig, trainable: bool) -> dict[str, int]:
+    weight = 2 if c.params_dtype == "bf16" else 4
+    out = {"weights": params * weight}
+    if c.fp8:
+        out["weights"] += params * 2  # TE's FP8 copy of each GEMM weight and its transpose
+    if trainable:
+        optimizer = 12 if c.params_dtype == "bf16" else 8
+        shard = c.data_parallel_size if c.use_distributed_optimizer else 1
+        out["grads"] = params * 4
+        out["optimizer"] = -(-params * optimizer // shard)
+    return out
+
+
+def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> dict[str, float]:
+    """Saved-for-backward elements per token of one transformer layer, by kind (no recompute;
+    selective recompute's attention core is left out here and added back one layer at a time
+    by `activation_bytes`)."""
+    tp = c.tensor_model_parallel_size
+    sp = tp if c.sequence_parallel else 1
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    if c.profile == "te":
+        return {
+            "norms": 2 * h / sp,  # LayerNormLinear input (layer input / residual)
+            "gemm_inputs": 2 * h / sp + f / tp,  # normalised x for QKV and fc1, fc2 input
+            "attention": (2 * q + 2 * kv) / tp,  # Q, K, V, output (flash attention)
+            "mlp": 2 * f / tp,  # fc1 output for the SwiGLU backward
+        }
+    if c.recompute_granularity == "selective":
+        # The checkpoint keeps Q and K after RoPE, and V as a view of the fused QKV output.
+        core = (2 * q + 3 * kv) / tp
+    else:
+        core = _attention_core_elements(arch, c)
+    return {
+        "norms": (6 * h + 2) / sp,  # per norm: input, rstd, x * rstd, output
+        "attention": core + q / tp,  # + context (the projection's input)
+        "mlp": 5 * f / tp,  # fc1 output 2f, SwiGLU: linear half, silu, product
+    }
+
+
+def _attention_core_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
+    """Unfused attention (`local`): Q, and K, V repeated to all heads, and the softmax."""
+    q = arch.num_attention_heads * arch.head_dim
+    return (3 * q + arch.num_attention_heads * c.seq_length) / c.tensor_model_parallel_size
+
+
+def _bytes_per_element(c: MemoryPlanConfig) -> int:
+    return 2 if c.params_dtype == "bf16" else 4
+
+
+def _per_layer_constant(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:
+    """`local` only: RoPE cos/sin for Q and K (fp32) and the boolean causal mask (which
+    selective recompute rebuilds in backward instead), per layer."""
+    if c.profile == "te":
+        return 0
+    mask = 0 if c.recompute_granularity == "selective" else c.seq_length**2
+    return 4 * c.seq_length * arch.head_dim * 4 + mask
+
+
+def layer_activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
+    """Bytes one layer saves for one micro-batch."""
+    items = layer_activation_elements(arch, c)
+    width = _bytes_per_element(c)
+    tokens = c.micro_batch_size * c.seq_length
+    total = sum(items.values()) * width
+    if c.fp8 and "gemm_inputs" in items:
+        total -= items["gemm_inputs"] * (width - 1)  # FP8 copies of GEMM inputs
+    return total * tokens + _per_layer_constant(arch, c)
+
+
+def layers_in_flight(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
+    """Layer-micro-batches whose activations the first pipeline stage holds at its peak."""
+    pp, vpp = c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size
+    if pp == 1:
+        return arch.num_layers
+    if vpp is None:
+        return arch.num_layers // pp * min(pp, c.num_microbatches)
+    m = min((pp - 1) * 2 + (vpp - 1) * pp + 1, c.num_microbatches * vpp)
+    return arch.num_layers // (pp * vpp) * m
+
+
+def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
+    """Last stage: the final norm, and for the policy the log-prob + entropy path's three fp32
+    copies of the vocab-parallel logits (`megatron_rl.parallel.vocab`)."""
+    tp = c.tensor_model_parallel_size
+    sp = tp if c.sequence_parallel else 1
+    tokens = c.micro_batch_size * c.seq_length
+    h = arch.hidden_size
+    norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * _bytes_per_element(c)
+    logits = 3 * 4 * arch.padded_vocab_size(tp) // tp if role != "critic" else 0
+    return int(tokens * (norm + logits))
+
+
+def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
+    """Peak activation bytes of one role's forward-backward on its busiest stage."""
+    sp = c.tensor_model_parallel_size if c.sequence_parallel else 1
+    tokens = c.micro_batch_size * c.seq_length
+    stored = layer_activation_bytes(arch, c)  # what a layer keeps until its backward
+    recompute = 0  # what one layer saves again while it is recomputed in backward
+    if c.recompute_granularity == "full":
+        stored = arch.hidden_size / sp * tokens * _bytes_per_element(c)
+        recompute = layer_activation_bytes(arch, c)
+    elif c.recompute_granularity == "selective" and c.profile == "local":
+        core = _attention_core_elements(arch, c) * tokens * _bytes_per_element(c)
+        recompute = core + c.seq_length**2  # + the causal mask, rebuilt there
+    head = head_bytes(arch, c, role)
+    first = layers_in_flight(arch, c) * stored + recompute
+    if c.pipeline_model_parallel_size == 1:
+        return int(first + head)
+    # The last stage runs each micro-batch's backward right after its forward: one in flight.
+    last = arch.num_layers // c.pipeline_model_parallel_size * stored + recompute + head
+    return int(max(first, last))
+
+
+def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    arch.check_divisible(tp, pp * (c.virtual_pipeline_model_parallel_size or 1))
+    roles = ["actor"] + (["critic"] if c.critic else []) + (["reference"] if c.reference else [])
+    params = {r: stage_params(arch, c, r) for r in roles}
+    states = {}
+    for role in roles:
+        for kind, n in model_state_bytes(params[role], c, role != "reference").items():
+            states[f"{role}_{kind}"] = n
+    activations = {r: activation_bytes(arch, c, r) for r in roles if r != "reference"}
+
+    notes = []
+    vllm = kv_cache = kv_tokens = 0
+    if c.vllm_gpu_memory_utilization > 0:
+        vtp = c.vllm_tensor_parallel_size or tp
+        vllm = int(c.vllm_gpu_memory_utilization * c.gpu_memory_gib * GiB)
+        vllm_weights = param_count(arch) * 2 // vtp
+        kv_cache = vllm - vllm_weights - 2 * GiB  # vLLM's profiled activation peak, roughly
+        kv_heads = max(arch.num_query_groups // vtp, 1)
+        per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * 2
+        kv_tokens = max(kv_cache, 0) // per_token
+        if kv_cache < 0:
+            notes.append(
+                f"vLLM's {c.vllm_gpu_memory_utilization:.2f} of the GPU does not hold its "
+                f"{vllm_weights / GiB:.1f} GiB of weights plus 2 GiB working memory: raise "
+                "gpu_memory_utilization or vLLM's TP"
+            )
+    return MemoryPlan(c, params, states, activations, vllm, kv_cache, kv_tokens, notes)
+
+
+def summary_row(plan: MemoryPlan) -> dict[str, object]:
+    """One table row, GiB rounded to 0.1."""
+    c = plan.config
+
+    def gib(n: float) -> float:
+        return round(n / GiB, 1)
+
+    layout = f"TP{c.tensor_model_parallel_size}PP{c.pipeline_model_parallel_size}"
+    if c.virtual_pipeline_model_parallel_size:
+        layout += f"VPP{c.virtual_pipeline_model_parallel_size}"
+    layout += f"DP{c.data_parallel_size}" + ("SP" if c.sequence_parallel else "")
+    row = {
+        "layout": layout,
+        "gpus": c.num_gpus,
+        "recompute": c.recompute_granularity or "none",
+        "fp8": c.fp8,
+        "dist_opt": c.use_distributed_optimizer,
+    }
+    for role in ("actor", "critic", "reference"):
+        n = sum(v for k, v in plan.states.items() if k.startswith(role + "_"))
+        if n:
+            row[f"{role}_states_gib"] = gib(n)
+    row["activations_gib"] = gib(max(plan.activations.values(), default=0))
+    row["vllm_gib"] = gib(plan.vllm_bytes)
+    row["vllm_kv_tokens"] = plan.vllm_kv_cache_tokens
+    row["train_gib"] = gib(plan.train_bytes)
+    row["rollout_gib"] = gib(plan.rollout_bytes)
+    row["peak_gib"] = gib(plan.peak_bytes)
+    row["fits"] = plan.fits
+    return row

@@ -1,0 +1,59 @@
+"""Named model shapes (the fields of their Hugging Face `config.json`), for benchmarks and the
+memory planner: `preset_arch("qwen2.5-32b")` or `resolve_arch(name_or_config_path)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+_QWEN2 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+
+PRESETS: dict[str, dict] = {
+    # tools.make_tiny_model's default shape.
+    "tiny": dict(_QWEN2, num_hidden_layers=4, hidden_size=128, intermediate_size=352,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                 tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(_QWEN2, num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True),
+    # A ~1.2B Qwen2 shape (Qwen2.5-1.5B's width, 20 layers, untied): the MFU benchmark model.
+    "qwen2-1b": dict(_QWEN2, num_hidden_layers=20, hidden_size=1536, intermediate_size=8960,
+                     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "qwen2.5-7b": dict(_QWEN2, num_hidden_layers=28, hidden_size=3584, intermediate_size=18944,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       tie_word_embeddings=False),
+    "qwen2.5-32b": dict(_QWEN2, num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                        tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def preset_arch(name: str) -> ModelArchitecture:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+    return ModelArchitecture.from_hf_config(PRESETS[name])
+
+
+def resolve_arch(model: str) -> ModelArchitecture:
+    """A preset name, or a Hugging Face `config.json` (the file or its directory)."""
+    if model in PRESETS:
+        return preset_arch(model)
+    if not Path(model).exists():
+        raise ValueError(
+            f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+            "path to a Hugging Face config.json or checkpoint directory"
+        )
+    return ModelArchitecture.from_hf_config(model)
+
+
+def param_count(arch: ModelArchitecture) -> int:
+    """Parameters of the Hugging Face model (unpadded vocabulary)."""
+    h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size + 2 * h
+    if arch.qkv_bias:
+        layer += q + 2 * kv
+    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * layer + embeddings + h

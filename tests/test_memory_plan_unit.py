@@ -1,0 +1,168 @@
+"""The memory planner: parameter counts, sharding arithmetic, the 32B recipe's layout, the CLI.
+Its estimate against a real actor's tensors: test_memory_check_distributed.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.memory_plan import (
+    MemoryPlanConfig,
+    PlanError,
+    activation_bytes,
+    plan_memory,
+    stage_params,
+)
+from megatron_rl.models.presets import param_count, preset_arch, resolve_arch
+from tools.plan_memory import main as plan_main
+from tools.plan_memory import recipe_settings
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE_32B = REPO / "examples/qwen2.5-32b/vapo.yaml"
+
+
+@pytest.mark.parametrize(
+    "preset, published",
+    # Parameter counts of the Hugging Face checkpoints (model cards / safetensors index).
+    [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512), ("qwen2.5-32b", 32_763_876_352)],
+)
+def test_preset_parameter_counts_match_the_published_models(preset, published):
+    assert param_count(preset_arch(preset)) == published
+
+
+def test_one_gpu_holds_the_whole_model_with_its_padded_vocabulary():
+    arch = preset_arch("qwen2.5-7b")
+    padding = (arch.padded_vocab_size(1) - arch.vocab_size) * arch.hidden_size * 2
+    assert stage_params(arch, MemoryPlanConfig(), "actor") == param_count(arch) + padding
+
+
+def test_tensor_and_pipeline_parallelism_shard_the_parameters():
+    arch = preset_arch("qwen2.5-32b")
+    one = stage_params(arch, MemoryPlanConfig(), "actor")
+    tp8 = stage_params(arch, MemoryPlanConfig(tensor_model_parallel_size=8), "actor")
+    tp8pp2 = stage_params(
+        arch,
+        MemoryPlanConfig(tensor_model_parallel_size=8, pipeline_model_parallel_size=2),
+        "actor",
+    )
+    # Everything but the norms (2 per layer + the final one) is split over TP.
+    norms = (2 * arch.num_layers + 1) * arch.hidden_size
+    assert tp8 == (one - norms) // 8 + norms
+    # Half the layers plus one vocabulary matrix; the last stage also has the final norm.
+    vocab = arch.padded_vocab_size(8) * arch.hidden_size // 8
+    assert tp8pp2 == (tp8 - 2 * vocab - arch.hidden_size) // 2 + vocab + arch.hidden_size
+    critic = stage_params(arch, MemoryPlanConfig(tensor_model_parallel_size=8), "critic")
+    assert tp8 - critic == vocab - arch.hidden_size  # value head [1, h] for the vocabulary
+
+
+def test_distributed_optimizer_shards_only_the_adam_state():
+    arch = preset_arch("qwen2.5-7b")
+    base = MemoryPlanConfig(tensor_model_parallel_size=4, data_parallel_size=8)
+    plain = plan_memory(arch, dataclasses.replace(base, use_distributed_optimizer=False))
+    sharded = plan_memory(arch, base)
+    assert sharded.states["actor_weights"] == plain.states["actor_weights"]
+    assert sharded.states["actor_grads"] == plain.states["actor_grads"]
+    assert sharded.states["actor_optimizer"] == pytest.approx(
+        plain.states["actor_optimizer"] / 8, abs=1
+    )
+    # bf16: 2 B weights, 4 B fp32 grads, 12 B fp32 master + Adam m, v.
+    n = plain.params_per_gpu["actor"]
+    assert plain.states["actor_optimizer"] == 12 * n and plain.states["actor_grads"] == 4 * n
+
+
+def test_recompute_and_sequence_parallelism_cut_activations():
+    arch = preset_arch("qwen2.5-7b")
+    base = MemoryPlanConfig(tensor_model_parallel_size=4, seq_length=8192)
+    none = activation_bytes(arch, base, "actor")
+    sp = activation_bytes(arch, dataclasses.replace(base, sequence_parallel=True), "actor")
+    full = activation_bytes(arch, dataclasses.replace(base, recompute_granularity="full"), "actor")
+    assert full < sp < none
+    # Flash attention keeps no s x s scores, so selective recompute buys nothing on `te`.
+    selective = dataclasses.replace(base, recompute_granularity="selective")
+    assert activation_bytes(arch, selective, "actor") == none
+    # The unfused CPU attention does keep them: there it helps.
+    local = dataclasses.replace(base, profile="local", params_dtype="fp32")
+    local_selective = dataclasses.replace(local, recompute_granularity="selective")
+    assert activation_bytes(arch, local_selective, "actor") < activation_bytes(arch, local, "actor")
+
+
+def test_pipeline_keeps_pp_microbatches_in_flight_and_interleaving_more():
+    arch = preset_arch("qwen2.5-7b")
+    pp4 = MemoryPlanConfig(pipeline_model_parallel_size=4, num_microbatches=16, seq_length=1024)
+    base = activation_bytes(
+        arch, dataclasses.replace(pp4, pipeline_model_parallel_size=1), "critic"
+    )
+    staged = activation_bytes(arch, pp4, "critic")
+    # 4 in flight x 1/4 of the layers: the first stage holds one whole model's worth.
+    assert staged == pytest.approx(base, rel=0.01)
+    vpp = dataclasses.replace(pp4, virtual_pipeline_model_parallel_size=7)
+    # Korthikanti et al.: interleaving multiplies it by 1 + (p - 1) / (p * v).
+    assert activation_bytes(arch, vpp, "critic") == pytest.approx(staged * (1 + 3 / 28), rel=0.01)
+
+
+def test_the_32b_recipe_fits_80gb_and_its_neighbours_do_not():
+    settings = recipe_settings(str(RECIPE_32B))
+    arch = preset_arch("qwen2.5-32b")
+    chosen = plan_memory(arch, MemoryPlanConfig(**settings, data_parallel_size=8))
+    assert chosen.fits, chosen.notes
+    assert settings["seq_length"] == 2048 + 20480 and settings["critic"]
+    assert not settings["reference"]  # VAPO has no KL term
+    for change in (
+        dict(vllm_gpu_memory_utilization=0.6),  # vLLM would not leave room for the states
+        dict(use_distributed_optimizer=False),
+        dict(pipeline_model_parallel_size=1),
+    ):
+        variant = MemoryPlanConfig(**{**settings, **change}, data_parallel_size=8)
+        assert not plan_memory(arch, variant).fits, change
+
+
+def test_vllm_memory_that_cannot_hold_its_weights_is_reported():
+    arch = preset_arch("qwen2.5-32b")
+    c = MemoryPlanConfig(
+        tensor_model_parallel_size=8, vllm_gpu_memory_utilization=0.1, vllm_tensor_parallel_size=1
+    )
+    plan = plan_memory(arch, c)
+    assert not plan.fits and "gpu_memory_utilization" in plan.notes[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(recompute_granularity="partial"), "recompute_granularity='partial'"),
+        (dict(profile="gpu"), "profile='gpu'"),
+        (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
+        (dict(seq_length=0), "seq_length=0"),
+        (dict(fp8=True, params_dtype="fp32"), "fp8 needs params_dtype=bf16"),
+    ],
+)
+def test_bad_settings_name_the_parameter(kwargs, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(")):
+        MemoryPlanConfig(**kwargs)
+
+
+def test_layout_that_cannot_split_the_model_is_refused():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=16 does not divide"):
+        plan_memory(preset_arch("qwen2.5-32b"), MemoryPlanConfig(tensor_model_parallel_size=16))
+
+
+def test_resolve_arch_reads_a_config_file_and_names_an_unknown_model(tiny_model_dir):
+    assert resolve_arch(str(tiny_model_dir)).hidden_size == preset_arch("tiny").hidden_size
+    with pytest.raises(ValueError, match="'qwen9' is neither a preset"):
+        resolve_arch("qwen9")
+
+
+def test_cli_sweeps_layouts_and_exits_by_fit(capsys):
+    argv = ["--model", "qwen2.5-32b", "--seq-length", "22528", "--sequence-parallel",
+            "--distributed-optimizer", "--vllm-gpu-memory-utilization", "0.5", "--vllm-tp", "8",
+            "--tp", "8", "--pp", "2", "--dp", "8", "--json"]  # fmt: skip
+    assert plan_main(argv + ["--recompute", "full"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["layout"] == "TP8PP2DP8SP" and row["gpus"] == 128 and row["fits"]
+    assert plan_main(argv[:-1] + ["--pp", "1,2", "--dp", "1"]) == 1  # some do not fit
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].startswith("| layout |") and len(table) == 5
+    assert plan_main(["--model", "qwen9"]) == 2
+    assert "neither a preset" in capsys.readouterr().err

@@ -1,0 +1,177 @@
+"""Per-GPU memory of an RL step (actor + critic + reference + colocated vLLM): does it fit?
+
+    python -m tools.plan_memory --model qwen2.5-32b --tp 8 --pp 2,4 --dp 2,4 \\
+        --seq-length 22528 --recompute none,full --vllm-gpu-memory-utilization 0.5
+    python -m tools.plan_memory --model qwen2.5-32b --recipe examples/qwen2.5-32b/vapo.yaml --dp 2
+    python -m tools.plan_memory --check-cpu      # the estimate vs tracked tensors on this CPU
+
+--model is a preset (tiny, qwen2.5-0.5b, qwen2-1b, qwen2.5-7b, qwen2.5-32b) or a Hugging Face
+config.json / checkpoint directory. Comma lists (--tp, --pp, --dp, --recompute,
+--vllm-gpu-memory-utilization, --micro-batch-size) sweep every combination and print one
+markdown row each; a single combination also prints its breakdown. --recipe takes layout,
+lengths, batch sizes, optimizer sharding, recompute, critic/reference and vLLM settings from
+a training YAML. The formulas: `megatron_rl/memory_plan.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+from megatron_rl.memory_plan import (
+    GiB,
+    MemoryPlanConfig,
+    PlanError,
+    plan_memory,
+    summary_row,
+)
+from megatron_rl.models.presets import resolve_arch
+
+
+def _list(kind):
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",")]
+
+    return parse
+
+
+def _recompute(text: str) -> str | None:
+    return None if text in ("none", "") else text
+
+
+def recipe_settings(path: str) -> dict:
+    """MemoryPlanConfig fields a training YAML determines."""
+    from megatron_rl.config import load_config
+
+    c = load_config(path)
+    p = c.parallel
+    return dict(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        use_distributed_optimizer=c.actor.optim.use_distributed_optimizer,
+        micro_batch_size=c.actor.micro_batch_size,
+        seq_length=c.data.max_prompt_length + c.rollout.max_new_tokens,
+        recompute_granularity=c.model.recompute.granularity,
+        fp8=c.model.precision.fp8 is not None,
+        params_dtype="bf16" if c.model.precision.bf16 else "fp32",
+        critic=c.use_critic,
+        reference=c.use_reference,
+        vllm_gpu_memory_utilization=c.rollout.gpu_memory_utilization,
+        vllm_tensor_parallel_size=c.rollout.vllm_tensor_parallel_size,
+    )
+
+
+def breakdown(plan) -> str:
+    lines = [f"  {k:<22} {v / GiB:8.2f} GiB" for k, v in plan.states.items()]
+    lines += [f"  {k + '_activations':<22} {v / GiB:8.2f} GiB" for k, v in plan.activations.items()]
+    lines.append(f"  {'vllm (generation)':<22} {plan.vllm_bytes / GiB:8.2f} GiB")
+    lines.append(
+        f"  train phase {plan.train_bytes / GiB:.2f} GiB, rollout phase "
+        f"{plan.rollout_bytes / GiB:.2f} GiB; usable {plan.usable_bytes / GiB:.2f} GiB of "
+        f"{plan.config.gpu_memory_gib} -> {'fits' if plan.fits else 'DOES NOT FIT'}"
+    )
+    return "\n".join(lines + [f"  note: {n}" for n in plan.notes])
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    out += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-32b")
+    p.add_argument("--recipe", help="training YAML to take the settings from")
+    p.add_argument("--tp", type=_list(int))
+    p.add_argument("--pp", type=_list(int))
+    p.add_argument("--vpp", type=int)
+    p.add_argument("--dp", type=_list(int), default=[1])
+    p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
+    p.add_argument("--micro-batch-size", type=_list(int))
+    p.add_argument("--num-microbatches", type=int, default=64)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--recompute", type=_list(_recompute), help="none, selective, full")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction)
+    p.add_argument("--params-dtype", choices=["bf16", "fp32"])
+    p.add_argument("--profile", choices=["te", "local"], default="te")
+    p.add_argument("--critic", action=argparse.BooleanOptionalAction)
+    p.add_argument("--reference", action=argparse.BooleanOptionalAction)
+    p.add_argument("--vllm-gpu-memory-utilization", type=_list(float))
+    p.add_argument("--vllm-tp", type=int)
+    p.add_argument("--vllm-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--reserved-gib", type=float, default=4.0)
+    p.add_argument("--json", action="store_true", help="one JSON line per combination")
+    p.add_argument("--check-cpu", action="store_true", help=check_cpu_doc())
+    a = p.parse_args(argv)
+
+    if a.check_cpu:
+        from tools.memory_check import main as check
+
+        return check([])
+
+    base = recipe_settings(a.recipe) if a.recipe else {}
+    scalars = {
+        "virtual_pipeline_model_parallel_size": a.vpp,
+        "sequence_parallel": a.sequence_parallel,
+        "use_distributed_optimizer": a.distributed_optimizer,
+        "num_microbatches": a.num_microbatches,
+        "seq_length": a.seq_length,
+        "fp8": a.fp8,
+        "params_dtype": a.params_dtype,
+        "profile": a.profile,
+        "critic": a.critic,
+        "reference": a.reference,
+        "vllm_tensor_parallel_size": a.vllm_tp,
+        "vllm_sleep_mode": a.vllm_sleep_mode,
+        "gpu_memory_gib": a.gpu_memory_gib,
+        "reserved_gib": a.reserved_gib,
+    }
+    base.update({k: v for k, v in scalars.items() if v is not None})
+    sweeps = {
+        "tensor_model_parallel_size": a.tp,
+        "pipeline_model_parallel_size": a.pp,
+        "data_parallel_size": a.dp,
+        "micro_batch_size": a.micro_batch_size,
+        "recompute_granularity": a.recompute,
+        "vllm_gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+    }
+    sweeps = {k: v for k, v in sweeps.items() if v is not None}
+    try:
+        arch = resolve_arch(a.model)
+        plans = [
+            plan_memory(arch, MemoryPlanConfig(**{**base, **dict(zip(sweeps, combo, strict=True))}))
+            for combo in itertools.product(*sweeps.values())
+        ]
+    except (PlanError, ValueError, TypeError) as e:
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 2
+    rows = [summary_row(plan) for plan in plans]
+    if a.json:
+        for row in rows:
+            print(json.dumps({"model": a.model, **row}))
+    else:
+        print(f"{a.model}: seq_length {plans[0].config.seq_length}, micro-batch(es) "
+              f"{sorted({pl.config.micro_batch_size for pl in plans})}, GiB per GPU")  # fmt: skip
+        print(markdown(rows))
+        if len(plans) == 1:
+            print(breakdown(plans[0]))
+    return 0 if all(plan.fits for plan in plans) else 1
+
+
+def check_cpu_doc() -> str:
+    return (
+        "build the tiny actor on this CPU and compare the planner's model-state and "
+        "activation bytes with the tensors it really holds"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
