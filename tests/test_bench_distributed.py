@@ -1,7 +1,9 @@
-"""Distributed tier: the train-step benchmark runs end to end (its numbers are not asserted:
-performance is measured by the benchmark itself, never by tests)."""
+"""Distributed tier: the benchmarks run end to end (their timings are not asserted:
+performance is measured by the benchmarks themselves, never by tests)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -32,3 +34,31 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
     assert result["layout"] == "TP2PP1DP1" and result["tokens_per_step"] == 4 * 32
     for key in ("ratio_ppo_over_plain", "plain_megatron_tokens_per_s", "ppo_update_tokens_per_s"):
         assert result[key] > 0
+
+
+def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
+    """Both in one process (one vLLM import): the tiny preset, one timed step each."""
+    out = tmp_path / "results.jsonl"
+    code = (
+        "from tools import bench\n"
+        f"bench.main(['generate', '--preset', 'tiny', '--steps', '1', '--out', {str(out)!r}])\n"
+        f"bench.main(['weight_sync', '--preset', 'tiny', '--steps', '1', '--out', {str(out)!r}])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    generate, sync = map(json.loads, out.read_text().splitlines())
+    assert generate["bench"] == "generate" and sync["bench"] == "weight_sync"
+    # Both arms did the same work: every sample ran to max_new_tokens.
+    assert generate["generated_tokens"] == {"vllm": 8 * 4 * 32, "hf": 8 * 4 * 32}
+    assert generate["ratio_vllm_over_hf_tokens_per_s"] > 0
+    assert sync["gb_moved"] > 0 and 0 < sync["export_share_of_sync"]
+    assert sync["memcpy_gb_per_s"] > 0 and sync["sync_gb_per_s"] > 0
+
+
+def test_bench_entry_lists_and_refuses_unknown_names(capsys):
+    from tools.bench import BENCHMARKS, main
+
+    assert main(["list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in BENCHMARKS)
+    assert main(["nope"]) == 2 and "unknown benchmark 'nope'" in capsys.readouterr().err

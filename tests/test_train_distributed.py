@@ -118,6 +118,13 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     assert not same_weights(before["actor"], after["actor"])
     assert not same_weights(before["critic"], after["critic"])
     assert (vapo_run / "checkpoints" / "latest").read_text() == "step_000008"
+    # The phase timers tools/bench_step_breakdown.py reads, and its arithmetic on them.
+    from tools.bench_step_breakdown import breakdown
+
+    shares = breakdown(records)
+    assert shares["step_s"] > 0 and shares["generate_share"] > 0 and shares["train_share"] > 0
+    total = sum(v for k, v in shares.items() if k.endswith("_share"))
+    assert total == pytest.approx(1.0, abs=0.01)
 
 
 def test_resume_after_step_2_reproduces_steps_3_and_4(
@@ -151,6 +158,8 @@ def test_resume_after_step_2_reproduces_steps_3_and_4(
 )
 def test_recipe_runs_three_steps(recipe, has_critic, tiny_model_dir, tmp_path):
     out = tmp_path / recipe
+    # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
+    recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
     train(
         recipe,
         out,
@@ -159,6 +168,7 @@ def test_recipe_runs_three_steps(recipe, has_critic, tiny_model_dir, tmp_path):
         "trainer.total_steps=3",
         "trainer.save_interval=1",
         "trainer.keep_last=5",
+        *recompute,
     )
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3] and all(finite(r) for r in records), records

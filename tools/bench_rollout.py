@@ -1,6 +1,6 @@
 """Rollout stage benchmark: inline scoring vs a Ray reward pool that overlaps generation.
 
-    python -m tools.bench_rollout [--model DIR] [--prompts 32 --chunk-size 8 --n 4
+    python -m tools.bench rollout [--model DIR] [--prompts 32 --chunk-size 8 --n 4
         --max-new-tokens 64 --reward-delay-ms 20 --workers 2]
 
 Both arms run in this process, one after the other, on fresh vLLM engines with the same seed
@@ -18,10 +18,10 @@ import gc
 import json
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from megatron_rl.rewards.math_verify import math_reward
+from tools.bench_common import record
 
 
 def delayed_math(prompt: str, response: str, label, delay_ms: float = 0.0) -> float:
@@ -44,7 +44,6 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
 
-    import torch
     from transformers import AutoTokenizer
 
     from megatron_rl.data import PromptDataConfig, PromptStream, load_prompts
@@ -89,31 +88,26 @@ def main(argv=None) -> None:
     ]
     inline_s, inline = runs["inline"]
     piped_s, piped = runs["ray_pipelined"]
-    result = {
-        "bench": "rollout",
-        "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "prompts": a.prompts,
-        "samples_per_prompt": a.samples_per_prompt,
-        "chunk_size": a.chunk_size,
-        "max_new_tokens": a.max_new_tokens,
-        "reward_delay_ms": a.reward_delay_ms,
-        "ray_workers": a.workers,
-        "same_samples_and_rewards": same,
-        "inline_s": round(inline_s, 3),
-        "inline_generate_s": round(inline.metrics["timing/generate_s"], 3),
-        "inline_score_s": round(inline.metrics["timing/score_s"], 3),
-        "ray_pipelined_s": round(piped_s, 3),
-        "ray_generate_s": round(piped.metrics["timing/generate_s"], 3),
-        "ray_score_wait_s": round(piped.metrics["timing/score_wait_s"], 3),
-        "ratio_pipelined_over_inline": round(piped_s / inline_s, 4),
-    }
-    line = json.dumps(result)
-    print(line, flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.out, "a") as f:
-            f.write(line + "\n")
+    record(
+        "rollout",
+        {
+            "prompts": a.prompts,
+            "samples_per_prompt": a.samples_per_prompt,
+            "chunk_size": a.chunk_size,
+            "max_new_tokens": a.max_new_tokens,
+            "reward_delay_ms": a.reward_delay_ms,
+            "ray_workers": a.workers,
+            "same_samples_and_rewards": same,
+            "inline_s": round(inline_s, 3),
+            "inline_generate_s": round(inline.metrics["timing/generate_s"], 3),
+            "inline_score_s": round(inline.metrics["timing/score_s"], 3),
+            "ray_pipelined_s": round(piped_s, 3),
+            "ray_generate_s": round(piped.metrics["timing/generate_s"], 3),
+            "ray_score_wait_s": round(piped.metrics["timing/score_wait_s"], 3),
+            "ratio_pipelined_over_inline": round(piped_s / inline_s, 4),
+        },
+        a.out,
+    )
     if not same:
         raise SystemExit("bench_rollout: the two arms generated different samples")
 

@@ -1,7 +1,8 @@
 """Benchmark: the actor's PPO/VAPO update vs a plain Megatron forward-backward, side by side.
 
-    [torchrun --nproc-per-node N] python -m tools.bench_train_step --preset tiny
-    torchrun ... -m tools.bench_train_step --preset qwen2-1b --dtype bf16 --seq-length 2048
+    python -m tools.bench train_step --preset tiny
+    python -m tools.bench train_step --nproc-per-node 8 --preset qwen2-1b --dtype bf16 \
+        --seq-length 4096 --tp 1 [--fp8 hybrid]
 
 Both arms use the same model chunks, DDP and optimizer, the same tokens and one optimizer
 step each: the baseline is megatron's fused cross-entropy (`labels=`) averaged over response
@@ -9,55 +10,27 @@ tokens; ours is `Actor.update` (vocab-parallel log-probs and entropy, clip-highe
 positive-sample NLL, global token normalisation). Arms alternate step by step, so machine
 noise hits both; the ratio of median step times is the overhead of our loss machinery.
 Prints one JSON line and appends it to --out. On a GPU it also reports model FLOPs
-utilisation (MFU) against the device's dense bf16 peak.
+utilisation (MFU) against the device's dense bf16 peak, and the peak memory it allocated next
+to `tools/plan_memory.py`'s estimate for the same layout.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
 
 from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.megatron_model import OptimConfig, run_schedule
 from megatron_rl.workers.policy import Actor
-
-PRESETS = {
-    # The tiny test model's shape (tools.make_tiny_model defaults).
-    "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
-                 num_query_groups=2, vocab_size=500),
-    # Qwen2.5-0.5B's shape.
-    "qwen2.5-0.5b": dict(num_layers=24, hidden_size=896, ffn_hidden_size=4864,
-                         num_attention_heads=14, num_query_groups=2, vocab_size=151936),
-    # A ~1.2B Qwen2-shaped model (Qwen2.5-1.5B's width, 20 layers).
-    "qwen2-1b": dict(num_layers=20, hidden_size=1536, ffn_hidden_size=8960,
-                     num_attention_heads=12, num_query_groups=2, vocab_size=151936),
-}  # fmt: skip
+from tools.bench_common import alternate, record
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
-
-
-def preset_arch(name: str) -> ModelArchitecture:
-    p = PRESETS[name]
-    return ModelArchitecture(
-        model_type="qwen2",
-        head_dim=p["hidden_size"] // p["num_attention_heads"],
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        norm_epsilon=1e-6,
-        qkv_bias=True,
-        tie_word_embeddings=False,
-        **p,
-    )
 
 
 def model_flops_per_token(arch: ModelArchitecture, seq_length: int) -> float:
@@ -123,16 +96,6 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
     actor.optimizer.step()
 
 
-def timed(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -140,6 +103,7 @@ def main(argv=None) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--fp8", choices=["e4m3", "hybrid"], help="FP8 GEMMs (Transformer Engine)")
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--num-microbatches", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=256)
@@ -156,7 +120,8 @@ def main(argv=None) -> None:
     )
     ctx = platform.initialize(layout, arch=arch)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    actor = Actor(arch, layout, precision=PrecisionConfig(params_dtype=dtype), optim=OptimConfig())
+    precision = PrecisionConfig(params_dtype=dtype, fp8=a.fp8)
+    actor = Actor(arch, layout, precision=precision, optim=OptimConfig())
     sequences = a.micro_batch_size * a.num_microbatches
     batch = to_device(synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank), ctx.device)
     loss_cfg = PolicyLossConfig(nll_coef=0.1)
@@ -165,26 +130,15 @@ def main(argv=None) -> None:
         "plain_megatron": lambda: plain_step(actor, batch, a.num_microbatches),
         "ppo_update": lambda: actor.update(batch, loss_cfg, a.num_microbatches),
     }
-    times = {k: [] for k in arms}
-    for step in range(a.warmup + a.steps):
-        for name, fn in arms.items():
-            t = timed(fn)
-            if step >= a.warmup:
-                times[name].append(t)
-
+    median = alternate(arms, a.steps, a.warmup)
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
-    median = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "bench": "train_step",
-        "time": datetime.now(UTC).isoformat(timespec="seconds"),
         "preset": a.preset,
-        "params_b": round(_param_count(arch) / 1e9, 3),
+        "params_b": round(param_count(arch) / 1e9, 3),
         "layout": f"TP{a.tp}PP{a.pp}DP{ctx.dp_size}" + ("SP" if a.sequence_parallel else ""),
-        "dtype": a.dtype,
+        "dtype": a.dtype + ("+fp8" if a.fp8 else ""),
         "seq_length": a.seq_length,
         "tokens_per_step": tokens,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
         "steps": a.steps,
         "ratio_ppo_over_plain": round(median["ppo_update"] / median["plain_megatron"], 4),
     }
@@ -195,21 +149,42 @@ def main(argv=None) -> None:
         result[f"{name}_tokens_per_s"] = round(tokens / t, 1)
         if peak:
             result[f"{name}_mfu"] = round(flops / t / (peak * 1e12 * ctx.world_size), 4)
+    if torch.cuda.is_available():
+        result.update(memory_vs_plan(arch, a, ctx))
     if ctx.rank == 0:
-        line = json.dumps(result)
-        print(line, flush=True)
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.write(line + "\n")
+        record("train_step", result, a.out)
     platform.destroy()
 
 
-def _param_count(arch: ModelArchitecture) -> int:
-    h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
-    kv = arch.num_query_groups * arch.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size + 2 * h + q + 2 * kv
-    return arch.num_layers * layer + 2 * arch.vocab_size * h + h
+def memory_vs_plan(arch: ModelArchitecture, a, ctx) -> dict:
+    """The measured peak of this rank next to `tools/plan_memory.py`'s estimate for it."""
+    from megatron_rl.memory_plan import GiB, MemoryPlanConfig, plan_memory
+    from megatron_rl.models.gpt import transformer_engine_available
+
+    plan = plan_memory(
+        arch,
+        MemoryPlanConfig(
+            tensor_model_parallel_size=a.tp,
+            pipeline_model_parallel_size=a.pp,
+            data_parallel_size=ctx.dp_size,
+            sequence_parallel=a.sequence_parallel,
+            use_distributed_optimizer=False,
+            micro_batch_size=a.micro_batch_size,
+            num_microbatches=a.num_microbatches,
+            seq_length=a.seq_length,
+            fp8=a.fp8 is not None,
+            params_dtype=a.dtype,
+            profile="te" if transformer_engine_available() else "local",
+            critic=False,
+        ),
+    )
+    measured = torch.cuda.max_memory_allocated() / GiB
+    planned = plan.train_bytes / GiB
+    return {
+        "max_memory_allocated_gib": round(measured, 2),
+        "planned_gib": round(planned, 2),
+        "planned_over_measured": round(planned / measured, 4),
+    }
 
 
 def _peak_tflops() -> float | None:

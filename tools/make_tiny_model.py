@@ -181,6 +181,25 @@ def build_model(spec: TinyModelSpec, tokenizer):
     return model
 
 
+def spec_for_preset(name: str, **overrides) -> TinyModelSpec:
+    """A random checkpoint of a preset's shape (`megatron_rl.models.presets`), with the small
+    byte-level tokenizer: for benchmarks, where the weights' values do not matter."""
+    from megatron_rl.models.presets import preset_arch
+
+    arch = preset_arch(name)
+    return TinyModelSpec(
+        model_type=arch.model_type,
+        layers=arch.num_layers,
+        hidden=arch.hidden_size,
+        heads=arch.num_attention_heads,
+        kv_heads=arch.num_query_groups,
+        intermediate=arch.ffn_hidden_size,
+        vocab_size=arch.vocab_size,
+        tie_embeddings=arch.tie_word_embeddings,
+        **overrides,
+    )
+
+
 def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False):
     """Write the checkpoint to `out` atomically and return its path."""
     spec = spec or TinyModelSpec()

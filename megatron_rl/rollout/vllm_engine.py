@@ -33,6 +33,8 @@ class SamplingConfig:
     seed: int | None = None
     """Per-request seed. Leave None for RL: one seed for every request makes different
     prompts draw the same random stream; the engine's own seed already makes runs repeatable."""
+    ignore_eos: bool = False
+    """Generate max_new_tokens whatever is sampled (benchmarks: a fixed amount of work)."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -54,6 +56,7 @@ class SamplingConfig:
             max_tokens=self.max_new_tokens,
             stop_token_ids=list(self.stop_token_ids),
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
             logprobs=0,  # the sampled token's log-prob only
         )
 

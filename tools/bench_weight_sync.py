@@ -1,0 +1,123 @@
+"""Benchmark: Megatron -> vLLM weight sync vs a plain memory copy of the same bytes.
+
+    python -m tools.bench weight_sync [--preset qwen2.5-0.5b]
+    python -m tools.bench weight_sync --nproc-per-node 2 --tp 2     (or --pp 2)
+
+One process (or torchrun world) holds the policy as Megatron chunks and a colocated vLLM
+engine, as the trainer does. Three arms alternate, each moving the model's bytes once:
+  - memcpy: `dst.copy_(src)` of a buffer as large as the engine's weights (the ceiling);
+  - export: the Megatron side alone (TP all-gather, HF renaming, PP broadcast, dtype cast);
+  - sync: `megatron_rl.sync.weight_sync.sync_weights`, export + vLLM's in-place reload.
+Prints GB/s of each and sync/memcpy; one JSON line, appended to --out. The checkpoint is a
+random one of the preset's shape (values do not matter for the speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_rl import platform
+from megatron_rl.models.hf_mapping import expected_hf_shapes
+from megatron_rl.models.presets import PRESETS, param_count, preset_arch
+from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
+from megatron_rl.sync.weight_sync import (
+    WeightSyncConfig,
+    all_stage_tensors,
+    checked,
+    sync_weights,
+)
+from megatron_rl.workers.policy import ReferencePolicy
+from tools.bench_common import alternate, record
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-0.5b")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=WeightSyncConfig.bucket_mb)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default="bench/results.jsonl")
+    a = p.parse_args(argv)
+
+    arch = preset_arch(a.preset)
+    layout = platform.ParallelLayout(
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
+    )
+    ctx = platform.initialize(layout, arch=arch)
+    # Rank 0 writes the checkpoint; the broadcast of its path is also the barrier.
+    work = Path(tempfile.mkdtemp(prefix="bench_weight_sync-")) if ctx.rank == 0 else None
+    try:
+        if work is not None:
+            from tools.make_tiny_model import make_tiny_model, spec_for_preset
+
+            make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
+        hf_dir = _rank0_path(work / "model" if work else None, ctx)
+        policy = ReferencePolicy(arch, layout, hf_dir)
+        engine = VLLMEngine(
+            hf_dir,
+            EngineConfig(
+                tensor_parallel_size=layout.model_parallel_size,
+                dtype="bfloat16" if torch.cuda.is_available() else "float32",
+                max_model_len=2048,
+                external_launcher="WORLD_SIZE" in os.environ,
+            ),
+        )
+        config = WeightSyncConfig(bucket_mb=a.bucket_mb)
+        expected = expected_hf_shapes(arch, "actor")
+        nbytes = sum(torch.Size(s).numel() for s in expected.values()) * engine.dtype.itemsize
+        device = ctx.device
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+
+        def export():
+            stream = all_stage_tensors(policy.chunks, arch, int(config.bucket_mb * 2**20))
+            for _ in checked(stream, expected, engine.dtype):
+                pass
+
+        seconds = alternate(
+            {
+                "memcpy": lambda: dst.copy_(src),
+                "export": export,
+                "sync": lambda: sync_weights(policy, engine, config),
+            },
+            a.steps,
+        )
+        engine.shutdown()
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    gbps = {arm: nbytes / s / 1e9 for arm, s in seconds.items()}
+    if ctx.rank == 0:
+        result = {
+            "preset": a.preset,
+            "params_b": round(param_count(arch) / 1e9, 3),
+            "layout": f"TP{a.tp}PP{a.pp}",
+            "engine_dtype": str(engine.dtype).removeprefix("torch."),
+            "gb_moved": round(nbytes / 1e9, 3),
+            "steps": a.steps,
+            **{f"{arm}_s": round(s, 4) for arm, s in seconds.items()},
+            **{f"{arm}_gb_per_s": round(g, 2) for arm, g in gbps.items()},
+            "ratio_sync_over_memcpy_gb_per_s": round(gbps["sync"] / gbps["memcpy"], 4),
+            "export_share_of_sync": round(seconds["export"] / seconds["sync"], 4),
+        }
+        record("weight_sync", result, a.out)
+    platform.destroy()
+
+
+def _rank0_path(path: Path | None, ctx) -> Path:
+    """Every rank gets rank 0's path (one file system)."""
+    box = [str(path) if path is not None else None]
+    if ctx.world_size > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+if __name__ == "__main__":
+    main()
