@@ -3,14 +3,13 @@ directories, and running a command as its own torchrun workers."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from megatron_rl import fsutil
 from megatron_rl.models.architecture import ModelArchitecture
 
 METADATA = "megatron_rl.json"
@@ -76,23 +75,13 @@ def read_metadata(ckpt_dir: Path) -> tuple[dict, ModelArchitecture]:
     return meta, ModelArchitecture(**meta["arch"])
 
 
-@contextlib.contextmanager
 def atomic_output_dir(out: Path, overwrite: bool = False):
-    """Yield a temporary sibling of `out`; rename it to `out` only if the block succeeds."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        fail(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)
+    """`megatron_rl.fsutil.atomic_output_dir`, with an existing output as a one-line error."""
     try:
-        yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        fsutil.check_output_dir(Path(out), overwrite)
+    except FileExistsError as e:
+        fail(str(e))
+    return fsutil.atomic_output_dir(out, overwrite=True)
 
 
 def launch_self(module: str, argv: list[str], nproc: int, extra: list[str]) -> None:

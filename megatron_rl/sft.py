@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from megatron_rl.fsutil import atomic_output_dir
 
 
 def main(argv=None) -> None:
@@ -69,9 +70,7 @@ def main(argv=None) -> None:
             print(f"sft step {step + 1}/{a.steps} nll {metrics['nll_loss']:.4f}", flush=True)
 
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_output_dir(out, overwrite=True) as tmp:
         tensors = {name: t.contiguous() for name, t in export_hf_tensors(actor.chunks, arch)}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         for f in Path(a.model).iterdir():
@@ -81,12 +80,6 @@ def main(argv=None) -> None:
                 and f.is_file()
             ):
                 shutil.copy(f, tmp / f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     platform.destroy()
     print(f"wrote {out}", flush=True)
 

@@ -76,6 +76,10 @@ def test_vapo_recipe_uses_the_papers_settings():
         ("actor.loss.loss_agg_mode=sum", r"actor.loss.loss_agg_mode: 'sum' is not one of"),
         ("rewards.reward_fns=[{type: rm}]", r"rewards.reward_fns\[0\]: unknown type 'rm'"),
         ("model.precision.params_dtype=float33", r"expected a torch dtype name"),
+        (
+            "model.recompute.granularity=partial",
+            r"model.recompute: recompute granularity='partial'",
+        ),
         ("actor", r"override 'actor': expected key=value"),
     ],
 )

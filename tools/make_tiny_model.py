@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_rl import fsutil
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -204,22 +204,12 @@ def make_tiny_model(out: str | Path, spec: TinyModelSpec | None = None, overwrit
     """Write the checkpoint to `out` atomically and return its path."""
     spec = spec or TinyModelSpec()
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.check_output_dir(out, overwrite)  # before the work, not after it
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is meant to be shared
+    with fsutil.atomic_output_dir(out, overwrite=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
