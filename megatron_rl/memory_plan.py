@@ -16,15 +16,16 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
   - `local` (megatron-core's local spec + torch RMSNorm + unfused attention; what runs on
     CPU): per norm its input, normalised x and output (3h, plus the rstd); Q and K, V
     repeated to all heads and the context (4q); the softmax (a*s per token); fc1 output (2f)
-    and three f-sized tensors of the SwiGLU. Measured against saved-tensor hooks by
-    `tools/plan_memory.py --check-cpu`.
+    and three f-sized tensors of the SwiGLU; per layer the fp32 RoPE tables and the causal
+    mask. Within 1% of saved-tensor hooks on a real actor (`tools/plan_memory.py
+    --check-cpu`, tests/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
 always. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
 interleaved schedule L * (1 + (PP-1)/(PP*VPP)) layers' worth. Full recompute keeps each
 layer's input and recomputes one layer at a time; selective recompute (megatron's
 `core_attn`) drops the attention core's saved tensors but its inputs.
-The last stage also holds the log-prob and entropy path's three fp32 copies of the
-[micro-batch, seq, vocab/TP] logits (`megatron_rl.parallel.vocab`).
+The last stage also holds an fp32 copy of the [micro-batch, seq, vocab/TP] logits for the
+log-probs' backward (three with an entropy bonus; `megatron_rl.parallel.vocab`).
 
 vLLM colocated: it takes `gpu_memory_utilization` of the GPU during generation (its weights,
 then KV cache); in sleep mode (level 1) it holds nothing during training.
@@ -66,6 +67,9 @@ class MemoryPlanConfig:
     """bf16 (GPU) or fp32 (the CPU path)."""
     profile: str = "te"
     """Saved-activation profile: "te" (GPU) or "local" (megatron local spec, CPU)."""
+    entropy_loss: bool = False
+    """An entropy bonus in the policy loss (entropy_coef > 0): its backward keeps two more fp32
+    copies of the logits (as a metric only, entropy is computed without a graph)."""
     critic: bool = True
     reference: bool = False
     """A reference policy for the KL term (VAPO has none)."""
@@ -254,14 +258,16 @@ def layers_in_flight(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
 
 
 def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
-    """Last stage: the final norm, and for the policy the log-prob + entropy path's three fp32
-    copies of the vocab-parallel logits (`megatron_rl.parallel.vocab`)."""
+    """Last stage: the final norm, and for the policy the fp32 copies of the vocab-parallel
+    logits that `megatron_rl.parallel.vocab` keeps for backward: the log-probs' one, and the
+    entropy's two when an entropy bonus is in the loss."""
     tp = c.tensor_model_parallel_size
     sp = tp if c.sequence_parallel else 1
     tokens = c.micro_batch_size * c.seq_length
     h = arch.hidden_size
     norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * _bytes_per_element(c)
-    logits = 3 * 4 * arch.padded_vocab_size(tp) // tp if role != "critic" else 0
+    copies = 3 if c.entropy_loss else 1
+    logits = copies * 4 * arch.padded_vocab_size(tp) // tp if role != "critic" else 0
     return int(tokens * (norm + logits))
 
 

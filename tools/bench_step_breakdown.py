@@ -5,10 +5,11 @@ weight sync), from the trainer's own timers.
 
 Runs `examples/tiny/vapo.yaml` (2 torchrun ranks, TP=2, real vLLM, the math reward) for
 --steps PPO steps without value pretraining or evaluation, reads `metrics.jsonl`, and reports
-the median seconds of each phase over the steps after the first (warm-up), and each phase's
-share of the step (one JSON line, appended to --out). Phases: vLLM generation, scoring the
-driver waited for, experience (old log-probs and values: forward passes), PPO updates of
-actor and critic, the Megatron -> vLLM weight sync, and the rest (batching, logging).
+the mean seconds of each phase over the steps after the first (warm-up), and each phase's
+share of the step (one JSON line, appended to --out). Phases: vLLM generation, scoring (the
+rest of the rollout: rewards inline or waiting for the Ray pool, decoding, filtering),
+experience (old log-probs and values: forward passes), PPO updates of actor and critic, and
+the Megatron -> vLLM weight sync.
 The model defaults to the demo's warm-started one when `make demo` made it, else a fresh
 tiny random one (its responses are longer: they rarely stop).
 """
@@ -25,23 +26,31 @@ from pathlib import Path
 from megatron_rl.launch import run_torchrun
 from tools.bench_common import record
 
-PHASES = {
-    "generate": "timing/generate_s",
-    "score_wait": "timing/score_wait_s",
-    "experience": "timing/experience_s",
-    "train": "timing/train_s",
-    "sync": "timing/sync_s",
-}
+PHASES = ("generate", "score", "experience", "train", "sync")
+
+
+def phase_seconds(r: dict) -> dict[str, float]:
+    """One step's phases from the trainer's timers. `score` is the rollout minus generation:
+    scoring inline, or waiting for the Ray pool, plus decoding and filtering."""
+    return {
+        "generate": r["timing/generate_s"],
+        "score": r["timing/rollout_s"] - r["timing/generate_s"],
+        "experience": r["timing/experience_s"],
+        "train": r["timing/train_s"],
+        "sync": r["timing/sync_s"],
+    }
 
 
 def breakdown(records: list[dict]) -> dict:
-    """Median seconds per phase over `records` (trainer metrics), and shares of the step."""
-    median = {name: statistics.median(r[key] for r in records) for name, key in PHASES.items()}
-    step = statistics.median(r["timing/step_s"] for r in records)
-    median["other"] = max(step - sum(median.values()), 0.0)
+    """Mean seconds per phase over `records` (trainer metrics) and shares of the mean step.
+    The trainer's timers partition the step, and means (unlike medians) add up: the shares
+    sum to 1."""
+    phases = [phase_seconds(r) for r in records]
+    mean = {name: statistics.fmean(p[name] for p in phases) for name in PHASES}
+    step = statistics.fmean(r["timing/step_s"] for r in records)
     out = {"step_s": round(step, 3)}
-    out.update({f"{k}_s": round(v, 3) for k, v in median.items()})
-    out.update({f"{k}_share": round(v / step, 3) for k, v in median.items()})
+    out.update({f"{k}_s": round(v, 3) for k, v in mean.items()})
+    out.update({f"{k}_share": round(v / step, 3) for k, v in mean.items()})
     return out
 
 

@@ -111,11 +111,16 @@ class Actor(_LogProbs, TrainableRole):
             nll = positive_sample_nll_loss(logprobs, mask, mb.scores, positive)
             loss = loss + cfg.nll_coef * nll
             metrics["nll_loss"] = nll
-        entropy = token_entropy(logits, self.arch.vocab_size)
         if cfg.entropy_coef > 0:
+            entropy = token_entropy(logits, self.arch.vocab_size)
             loss = loss - cfg.entropy_coef * aggregate_loss(
                 entropy, mask, cfg.loss_agg_mode, tokens, seqs
             )
+        else:
+            # A metric only: no graph, so none of its two fp32 logit-sized tensors stays
+            # alive until the backward (`tools/plan_memory.py` counts them only with a bonus).
+            with torch.no_grad():
+                entropy = token_entropy(logits, self.arch.vocab_size)
         if cfg.kl_loss_coef > 0:
             if mb.ref_logprobs is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_logprobs in the batch")
