@@ -166,3 +166,5 @@ def test_cli_sweeps_layouts_and_exits_by_fit(capsys):
     assert table[1].startswith("| layout |") and len(table) == 5
     assert plan_main(["--model", "qwen9"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+    assert plan_main(["--recipe", "examples/none.yaml"]) == 2
+    assert "examples/none.yaml" in capsys.readouterr().err

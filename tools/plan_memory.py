@@ -110,7 +110,11 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--reserved-gib", type=float, default=4.0)
     p.add_argument("--json", action="store_true", help="one JSON line per combination")
-    p.add_argument("--check-cpu", action="store_true", help=check_cpu_doc())
+    p.add_argument(
+        "--check-cpu",
+        action="store_true",
+        help="build the tiny actor here and compare the estimate with the tensors it holds",
+    )
     a = p.parse_args(argv)
 
     if a.check_cpu:
@@ -118,7 +122,11 @@ def main(argv=None) -> int:
 
         return check([])
 
-    base = recipe_settings(a.recipe) if a.recipe else {}
+    try:
+        base = recipe_settings(a.recipe) if a.recipe else {}
+    except (ValueError, OSError) as e:
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 2
     scalars = {
         "virtual_pipeline_model_parallel_size": a.vpp,
         "sequence_parallel": a.sequence_parallel,
@@ -165,13 +173,6 @@ def main(argv=None) -> int:
         if len(plans) == 1:
             print(breakdown(plans[0]))
     return 0 if all(plan.fits for plan in plans) else 1
-
-
-def check_cpu_doc() -> str:
-    return (
-        "build the tiny actor on this CPU and compare the planner's model-state and "
-        "activation bytes with the tensors it really holds"
-    )
 
 
 if __name__ == "__main__":
