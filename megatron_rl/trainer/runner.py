@@ -57,6 +57,19 @@ class NonFiniteUpdates(RuntimeError):
     pass
 
 
+def nonfinite_streak(streak: int, records: list[dict], limit: int) -> int:
+    """Steps in a row whose updates were skipped for NaN/Inf, after this step's update
+    `records`; raises NonFiniteUpdates when it reaches `limit` (trainer.max_nonfinite_in_a_row)."""
+    skipped = any(r.get("skipped_nonfinite", 0.0) for r in records)
+    streak = streak + 1 if skipped else 0
+    if streak >= limit:
+        raise NonFiniteUpdates(
+            f"{streak} steps in a row had NaN/Inf loss or gradients "
+            f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
+        )
+    return streak
+
+
 def _dp_min(value: int) -> int:
     from megatron.core import parallel_state
 
@@ -218,16 +231,6 @@ class RLTrainer:
             request_seed(self.config.trainer.seed, STAGES[stage], step, 7)
         )
 
-    def _check_nonfinite(self, records: list[dict]) -> None:
-        skipped = sum(r.get("skipped_nonfinite", 0.0) for r in records)
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
-        limit = self.config.trainer.max_nonfinite_in_a_row
-        if self.nonfinite_in_a_row >= limit:
-            raise NonFiniteUpdates(
-                f"{self.nonfinite_in_a_row} steps in a row had NaN/Inf loss or gradients "
-                f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
-            )
-
     def update(self, batch, step: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
@@ -239,7 +242,11 @@ class RLTrainer:
                 actor_records.append(self.actor.update(mb, c.actor.loss, nmb))
                 if self.critic is not None:
                     critic_records.append(self.critic.update(mb, c.critic.loss, nmb))
-        self._check_nonfinite(actor_records + critic_records)
+        self.nonfinite_in_a_row = nonfinite_streak(
+            self.nonfinite_in_a_row,
+            actor_records + critic_records,
+            c.trainer.max_nonfinite_in_a_row,
+        )
         metrics = _mean_metrics(actor_records)
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(critic_records).items()})
         metrics["num_updates"] = float(len(actor_records))
