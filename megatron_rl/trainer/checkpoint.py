@@ -47,12 +47,53 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in parts if isinstance(o, DistributedOptimizer)]
+
+
+def optimizer_shards(optimizer) -> list[dict]:
+    """This rank's shard of a distributed optimizer: fp32 master values and Adam moments.
+
+    megatron's `DistributedOptimizer.state_dict()` leaves them out (megatron-LM saves them
+    through a separate sharded path); without them a resume would restart Adam and round the
+    masters to bf16. Per rank, so a resume at the same layout is exact. [] otherwise.
+    """
+    return [
+        {
+            "masters": [
+                [p.detach().clone() for p in g["params"]] for g in o.optimizer.param_groups
+            ],
+            "inner": o.optimizer.state_dict(),
+        }
+        for o in _distributed_optimizers(optimizer)
+    ]
+
+
+@torch.no_grad()
+def load_optimizer_shards(optimizer, shards: list[dict], path: Path) -> None:
+    targets = _distributed_optimizers(optimizer)
+    if len(shards) != len(targets):
+        raise ValueError(
+            f"checkpoint {path}: {len(shards)} distributed-optimizer shards, this run has "
+            f"{len(targets)} (actor.optim.use_distributed_optimizer changed?)"
+        )
+    for o, shard in zip(targets, shards, strict=True):
+        o.optimizer.load_state_dict(shard["inner"])
+        for group, masters in zip(o.optimizer.param_groups, shard["masters"], strict=True):
+            for p, saved in zip(group["params"], masters, strict=True):
+                p.copy_(saved)
+
+
 def role_state(role) -> dict | None:
     if role is None:
         return None
     return {
         "model": [chunk.state_dict() for chunk in role.chunks],
         "optimizer": role.optimizer.state_dict(),
+        "optimizer_shards": optimizer_shards(role.optimizer),
     }
 
 
@@ -64,6 +105,7 @@ def load_role_state(role, state: dict | None, name: str, path: Path) -> None:
     for chunk, sd in zip(role.chunks, state["model"], strict=True):
         chunk.load_state_dict(sd)
     role.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_shards(role.optimizer, state.get("optimizer_shards", []), path)
 
 
 class CheckpointManager:
