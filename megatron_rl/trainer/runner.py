@@ -316,7 +316,9 @@ class RLTrainer:
             self.critic.update(mb, c.critic.loss, nmb)
             for mb in mini_batches(batch, per_rank, self._generator("value_pretrain", step))
         ]
-        self._check_nonfinite(records)
+        self.nonfinite_in_a_row = nonfinite_streak(
+            self.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
+        )
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(records).items()})
         self.value_pretrain_step += 1
         return reduce_over_ranks(metrics)
