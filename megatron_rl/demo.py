@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     before, after = evals[min(evals)], evals[max(evals)]
     print(
         f"[5/5] held-out greedy accuracy: {before:.2f} before RL -> {after:.2f} after "
-        f"{max(evals)} steps ({after - before:+.2f}); all evals {json.dumps(evals)}; "
+        f"{max(evals)} steps ({after - before:+.2f}); all evals "
+        f"{json.dumps({step: round(acc, 2) for step, acc in evals.items()})}; "
         f"{time.time() - t0:.0f} s in all",
         flush=True,
     )
