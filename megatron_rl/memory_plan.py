@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.presets import param_count
+from megatron_rl.models.presets import layer_param_count, param_count
 
 GiB = 2**30
 RECOMPUTE = (None, "selective", "full")
@@ -156,13 +156,8 @@ class MemoryPlan:
 
 def stage_params(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
     """Parameters one GPU holds on the largest pipeline stage (role: actor/critic/reference)."""
-    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
-    layer = (h * (q + 2 * kv) + q * h + 3 * h * f) // tp + 2 * h
-    if arch.qkv_bias:
-        layer += (q + 2 * kv) // tp
-    layers = arch.num_layers // pp * layer
+    tp, pp, h = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, arch.hidden_size
+    layers = arch.num_layers // pp * layer_param_count(arch, tp)
     embedding = arch.padded_vocab_size(tp) * h // tp
     # The critic's head is [1, h]; the policy's output layer is the vocabulary (a tied one is
     # still held by the last stage when it is not also the first).
@@ -176,9 +171,12 @@ def stage_params(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int
     return first + head + h if pp == 1 else max(first, last)
 
 
+def _bytes_per_element(c: MemoryPlanConfig) -> int:
+    return 2 if c.params_dtype == "bf16" else 4
+
+
 def model_state_bytes(params: int, c: MemoryPlanConfig, trainable: bool) -> dict[str, int]:
-    weight = 2 if c.params_dtype == "bf16" else 4
-    out = {"weights": params * weight}
+    out = {"weights": params * _bytes_per_element(c)}
     if c.fp8:
         out["weights"] += params * 2  # TE's FP8 copy of each GEMM weight and its transpose
     if trainable:
@@ -220,10 +218,6 @@ def _attention_core_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> fl
     """Unfused attention (`local`): Q, and K, V repeated to all heads, and the softmax."""
     q = arch.num_attention_heads * arch.head_dim
     return (3 * q + arch.num_attention_heads * c.seq_length) / c.tensor_model_parallel_size
-
-
-def _bytes_per_element(c: MemoryPlanConfig) -> int:
-    return 2 if c.params_dtype == "bf16" else 4
 
 
 def _per_layer_constant(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:

@@ -48,12 +48,18 @@ def resolve_arch(model: str) -> ModelArchitecture:
     return ModelArchitecture.from_hf_config(model)
 
 
-def param_count(arch: ModelArchitecture) -> int:
-    """Parameters of the Hugging Face model (unpadded vocabulary)."""
+def layer_param_count(arch: ModelArchitecture, tp: int = 1) -> int:
+    """Parameters of one transformer layer on one of `tp` tensor-parallel ranks: QKV (+ bias),
+    output projection and SwiGLU MLP are split, the two norms replicated."""
     h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size + 2 * h
+    split = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
     if arch.qkv_bias:
-        layer += q + 2 * kv
-    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * layer + embeddings + h
+        split += q + 2 * kv
+    return split // tp + 2 * h
+
+
+def param_count(arch: ModelArchitecture) -> int:
+    """Parameters of the Hugging Face model (unpadded vocabulary)."""
+    embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * layer_param_count(arch) + embeddings + arch.hidden_size

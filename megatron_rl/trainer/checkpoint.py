@@ -60,12 +60,11 @@ def optimizer_shards(optimizer) -> list[dict]:
     megatron's `DistributedOptimizer.state_dict()` leaves them out (megatron-LM saves them
     through a separate sharded path); without them a resume would restart Adam and round the
     masters to bf16. Per rank, so a resume at the same layout is exact. [] otherwise.
+    Like `state_dict()`, it refers to the live tensors: save it before the next step.
     """
     return [
         {
-            "masters": [
-                [p.detach().clone() for p in g["params"]] for g in o.optimizer.param_groups
-            ],
+            "masters": [[p.detach() for p in g["params"]] for g in o.optimizer.param_groups],
             "inner": o.optimizer.state_dict(),
         }
         for o in _distributed_optimizers(optimizer)
