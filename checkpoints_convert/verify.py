@@ -1,11 +1,15 @@
 """Compare a converted megatron checkpoint with its Hugging Face source on fixed tokens.
 
-    python -m checkpoints_convert.verify --hf-dir D --ckpt-dir O [--tp N --pp M] [--atol 1e-5]
+    python -m checkpoints_convert.verify --hf-dir D --ckpt-dir O [--tp N --pp M]
+        [--rtol R --atol A]
 
 Actors: logits over the real vocabulary. Critics: the value head's output at every
 position against the reward model's `score` applied to its last hidden states (the RM's
 own score is the value at the last token). Loads the checkpoint at --tp/--pp, prints one
-JSON line, exits 1 when the largest difference exceeds --atol.
+JSON line with the max absolute and max relative error, and exits 1 when any element is
+off by more than atol + rtol * |expected| (torch.testing.assert_close's rule). The defaults
+are assert_close's for the outputs' dtype times MODEL_TOLERANCE_SCALE: a whole network's
+output carries the rounding of every layer, and TP/PP change the order of its sums.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from checkpoints_convert.common import (
     read_metadata,
     under_torchrun,
 )
+from megatron_rl.numerics import Tolerance, compare
+
+MODEL_TOLERANCE_SCALE = 10.0
+"""Verify's default tolerance = assert_close's default for the dtype times this."""
 
 
 def parse_args(argv):
@@ -33,7 +41,8 @@ def parse_args(argv):
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--rtol", type=float, help="default: for the outputs' dtype (fp32: 1.3e-5)")
+    p.add_argument("--atol", type=float, help="default: for the outputs' dtype (fp32: 1e-4)")
     p.add_argument("--outputs", type=Path, help="also save the Megatron outputs here (torch.save)")
     p.add_argument("--work-file", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -97,16 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     expected = hf_outputs(args.hf_dir, meta["role"], fixed_tokens(arch.vocab_size))
     if args.outputs:
         torch.save(megatron, args.outputs)
-    diff = (megatron - expected).abs().max().item()
+    tol = Tolerance.for_dtype(megatron.dtype, MODEL_TOLERANCE_SCALE).resolve(args.rtol, args.atol)
     result = {
         "role": meta["role"],
         "layout": f"TP{args.tp}PP{args.pp}",
         "compared": "values" if meta["role"] == "critic" else "logits",
         "shape": list(megatron.shape),
-        "max_abs_diff": diff,
-        "max_abs_value": expected.abs().max().item(),
-        "atol": args.atol,
-        "ok": diff <= args.atol,
+        "dtype": str(megatron.dtype).removeprefix("torch."),
+        **compare(megatron, expected, tol).as_dict(),
     }
     print(json.dumps(result))
     if not result["ok"]:

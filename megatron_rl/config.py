@@ -97,6 +97,9 @@ class RewardsConfig:
 class TrainerConfig:
     total_steps: int = 10
     seed: int = 0
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms (warn-only): deterministic kernels where torch has
+    them. On for the tiny CPU recipes; on GPU it costs speed."""
     output_dir: str = "runs/train"
     save_interval: int = 0
     """Save every N steps (0: only at the end and on SIGTERM/SIGUSR1)."""

@@ -17,6 +17,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""The thread-count variables of OpenMP, MKL and OpenBLAS, read by child processes."""
+
 
 class TorchrunError(RuntimeError):
     """A torchrun job failed or timed out; the message holds the end of its output."""
@@ -90,8 +93,9 @@ def run_torchrun(
     cmd += list(args)
     full_env = {
         **os.environ,
-        # One intra-op thread per rank: more ranks than cores otherwise thrash on 2-core CI.
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # One intra-op thread per rank unless told otherwise: more ranks than cores thrash
+        # on 2-core CI, and a fixed count keeps CPU reductions the same on every machine.
+        **{name: os.environ.get(name, "1") for name in THREAD_ENV_VARS},
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }

@@ -127,11 +127,15 @@ def initialize(
     arch: ModelArchitecture | None = None,
     seed: int = 1234,
     timeout_minutes: int = 30,
+    deterministic: bool = False,
 ) -> DistributedContext:
     """Initialise torch.distributed, Megatron parallel state and the RNG for this rank.
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT as set by torchrun; a
-    single process without them runs as world size 1.
+    single process without them runs as world size 1. Seeds Python's, NumPy's and torch's
+    generators. `deterministic` makes torch pick deterministic kernels where it has them
+    (warning, not failing, where it has none); what it cannot fix across machines is
+    the CPU's own rounding (AVX2 vs AVX-512 kernels) and the thread count (`pin_threads`).
     """
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -171,7 +175,9 @@ def initialize(
         create_gloo_process_groups=use_cuda,
     )
 
-    torch.manual_seed(seed)
+    seed_everything(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if use_cuda:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
@@ -192,6 +198,32 @@ def initialize(
         dp_size=parallel_state.get_data_parallel_world_size(),
         cpu_compat=compat,
     )
+
+
+def seed_everything(seed: int) -> None:
+    """Python's `random`, NumPy's global generator and torch's (CPU and CUDA)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def pin_threads(threads: int) -> dict[str, str]:
+    """Run this process's intra-op work on `threads` threads, and return the environment
+    that makes child processes (torchrun workers, vLLM) do the same. A CPU reduction's
+    result depends on how it is split over threads, so a fixed count is one less thing that
+    differs between machines."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    from megatron_rl.launch import THREAD_ENV_VARS
+
+    torch.set_num_threads(threads)
+    env = {name: str(threads) for name in THREAD_ENV_VARS}
+    os.environ.update(env)
+    return env
 
 
 def destroy() -> None:

@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--response-template", default="The answer is \\boxed{{{answer}}}.")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (fixed on purpose)")
     a = p.parse_args(argv)
 
     from safetensors.torch import save_file
@@ -47,7 +48,8 @@ def main(argv=None) -> None:
 
     arch = ModelArchitecture.from_hf_config(a.model)
     layout = platform.ParallelLayout()
-    platform.initialize(layout, arch=arch, seed=a.seed)
+    platform.pin_threads(a.threads)
+    platform.initialize(layout, arch=arch, seed=a.seed, deterministic=True)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data), tokenizer)
     actor = Actor(arch, layout, a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0))

@@ -51,10 +51,10 @@ def whiten(rows, mask):
     ]
 
 
-def adaptive_lambda(length, alpha):
-    if length == 0:
-        return 0.0
-    return max(0.0, 1.0 - 1.0 / (alpha * length))
+def adaptive_lambda(length, alpha, fallback):
+    if alpha * length <= 1:
+        return fallback
+    return 1.0 - 1.0 / (alpha * length)
 
 
 def gae_reference(scores, values, mask, kl, cfg):
@@ -65,7 +65,7 @@ def gae_reference(scores, values, mask, kl, cfg):
     for r, v, m in zip(rewards, values, mask, strict=True):
         lam = cfg.lambda_policy
         if cfg.length_adaptive_alpha is not None:
-            lam = adaptive_lambda(sum(m), cfg.length_adaptive_alpha)
+            lam = adaptive_lambda(sum(m), cfg.length_adaptive_alpha, cfg.lambda_policy)
         advantages.append(gae_row(r, v, m, cfg.gamma, lam))
         critic = gae_row(r, v, m, cfg.gamma, cfg.lambda_critic)
         returns.append([c + vv if mm else 0.0 for c, vv, mm in zip(critic, v, m, strict=True)])

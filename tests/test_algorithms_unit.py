@@ -64,7 +64,7 @@ def assert_close(actual: torch.Tensor, expected, tol=1e-9):
 GAE_CONFIGS = [
     AdvantageConfig(lambda_policy=0.95, lambda_critic=1.0),
     AdvantageConfig(lambda_policy=0.9, lambda_critic=0.8, gamma=0.99, whiten_advantages=False),
-    AdvantageConfig(length_adaptive_alpha=0.05),  # lengths <= 12: the clamp to 0 everywhere
+    AdvantageConfig(length_adaptive_alpha=0.05),  # lengths <= 12: lambda_policy everywhere
     AdvantageConfig(length_adaptive_alpha=0.3, whiten_advantages=False),  # lambda in (0, 1)
     AdvantageConfig(kl_coef=0.1, lambda_policy=0.95),
 ]
@@ -171,12 +171,13 @@ def test_gae_lambda0_is_td_error():
             )
 
 
-def test_length_adaptive_lambda_formula_and_clamp():
+def test_length_adaptive_lambda_formula_and_fallback():
     lengths = torch.tensor([0, 1, 10, 20, 21, 100, 1000, 10**6])
-    lam = length_adaptive_lambda(lengths, alpha=0.05)
-    expected = [0.0, 0.0, 0.0, 0.0, 1 - 1 / 1.05, 0.8, 0.98, 1 - 1 / 5e4]
-    assert lam.tolist() == pytest.approx(expected, abs=1e-12)
-    assert (lam >= 0).all() and (lam < 1).all()
+    lam = length_adaptive_lambda(lengths, alpha=0.05, fallback=0.9)
+    # alpha * l <= 1 (l <= 20): no lambda in (0, 1) from the formula -> the fallback
+    expected = [0.9, 0.9, 0.9, 0.9, 1 - 1 / 1.05, 0.8, 0.98, 1 - 1 / 5e4]
+    assert lam.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert (lam > 0).all() and (lam < 1).all()
 
 
 def test_rloo_closed_form():

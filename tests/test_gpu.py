@@ -19,6 +19,7 @@ from megatron_rl.models.gpt import (
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
+from tests.tolerances import BF16_MODEL, assert_close
 
 pytestmark = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
@@ -51,7 +52,7 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     load_hf_into_megatron(fp32, tiny_model_dir, arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(arch, platform.ParallelLayout(), tiny_model_dir, precision=bf16)
-    assert (forward(actor.chunks, ids) - forward(fp32, ids)).abs().max() < 0.05
+    assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
     from tests.workers.actor_critic import global_batch
 
     batch = global_batch(arch.vocab_size)
@@ -73,7 +74,7 @@ def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
     load_hf_into_megatron(local, tiny_model_dir, arch)
     load_hf_into_megatron(te, tiny_model_dir, arch)
     ids = tokens(arch)
-    assert (forward(te, ids) - forward(local, ids)).abs().max() < 0.05
+    assert_close(forward(te, ids), forward(local, ids), BF16_MODEL)
 
 
 @needs_te

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_rl.launch import run_torchrun
 from megatron_rl.rewards import RewardModelConfig, ScoringPoolConfig, make_scoring_pool
+from tests.tolerances import FP32_MODEL, assert_close
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +24,7 @@ def test_megatron_reward_model_matches_hf(llama_rm_dir, tmp_path):
     assert got["errors"] == {"reward_model": [None] * 6}
     expected = RewardModelConfig(model_dir=str(llama_rm_dir)).build().score_batch(inputs())
     assert len(set(expected)) == 6  # six different conversations, six different scores
-    assert max(abs(a - b) for a, b in zip(got["rewards"], expected, strict=True)) <= 1e-5
+    assert_close(got["rewards"], expected, FP32_MODEL)
 
 
 def test_megatron_backend_needs_the_torchrun_world_and_no_ray(llama_rm_dir):

@@ -163,8 +163,8 @@ def test_reward_model_reads_its_own_template(tiny_model_dir, llama_rm_dir):
     short = RewardInput("hi", "", "ok")
     values, errors = rm([sample, short, sample])
     assert errors == [None, None, None]
-    assert values[0] == pytest.approx(expected, abs=1e-5)
-    assert values[2] == pytest.approx(expected, abs=1e-5)
+    assert values[0] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert values[2] == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert values[1] != pytest.approx(expected, abs=1e-3)
 
 

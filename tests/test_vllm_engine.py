@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_rl.rollout.vllm_engine import SamplingConfig
+from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm
 
@@ -47,15 +48,13 @@ def test_group_sampling_returns_n_per_prompt_in_order(samples, prompts):
 
 def test_engine_logprobs_match_hugging_face(samples, tiny_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    worst = 0.0
     for s in samples[:6]:
         ids = torch.tensor([s.prompt_token_ids + s.token_ids])
         with torch.no_grad():
             logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
         start = len(s.prompt_token_ids)
         expected = logp[start - 1 : -1].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
-        worst = max(worst, (torch.tensor(s.logprobs) - expected).abs().max().item())
-    assert worst <= 1e-4
+        assert_close(s.logprobs, expected, LOGPROB)
 
 
 def test_bad_sampling_and_prompts_are_clear_errors(engine):

@@ -48,12 +48,15 @@ class AdvantageConfig:
     gamma: float = 1.0
     """Discount; 1.0 for LLM RL (VAPO, VC-PPO)."""
     lambda_policy: float = 0.95
-    """GAE lambda of the policy's advantages (VC-PPO: 0.95); unused when length-adaptive."""
+    """GAE lambda of the policy's advantages (VC-PPO: 0.95); when length-adaptive, only for
+    responses too short for the formula (alpha * l <= 1)."""
     lambda_critic: float = 1.0
     """GAE lambda of the critic's returns (VC-PPO/VAPO: 1.0, the unbiased Monte-Carlo return)."""
     length_adaptive_alpha: float | None = None
     """VAPO's length-adaptive lambda_policy = 1 - 1/(alpha * l) per sequence; 0.05 in the
-    paper. None keeps lambda_policy fixed."""
+    paper, for responses of hundreds to thousands of tokens. Choose alpha so that alpha * l
+    is well above 1 for typical lengths l; where alpha * l <= 1 the formula gives no lambda
+    in (0, 1) and lambda_policy is used instead. None keeps lambda_policy fixed."""
     kl_coef: float = 0.0
     """beta of the KL penalty folded into token rewards (used when token_kl is given)."""
     whiten_advantages: bool = True
@@ -175,16 +178,22 @@ def gae(
     return advantages
 
 
-def length_adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO (arXiv 2504.05118): lambda_policy = 1 - 1/(alpha * l) per sequence [B].
+def length_adaptive_lambda(
+    lengths: torch.Tensor, alpha: float, fallback: float = 0.95
+) -> torch.Tensor:
+    """VAPO (arXiv 2504.05118): lambda_policy = 1 - 1/(alpha * l) per sequence [B] (float64).
 
-    For l <= 1/alpha (20 tokens at alpha = 0.05) the formula gives lambda <= 0; we clamp
-    to 0 there (pure one-step TD advantages for very short answers). The upper end is
-    below 1 for every finite length, so the result lies in [0, 1). Empty rows get 0.
+    The paper's rule makes the GAE horizon 1/(1 - lambda) = alpha * l proportional to the
+    length. For l <= 1/alpha (20 tokens at alpha = 0.05) that horizon is under one token
+    and the formula gives lambda <= 0, which the paper never meets at its lengths. There we
+    use `fallback` (the fixed lambda_policy) rather than 0: lambda = 0 makes the advantage a
+    one-step TD error, pure critic noise when the critic is still poor. Every result lies
+    in (0, 1) for lengths >= 1; empty rows get `fallback` (they have no token to use it).
     """
     lengths = lengths.double()
-    lam = 1.0 - 1.0 / (alpha * lengths.clamp(min=1))
-    return torch.where(lengths > 0, lam.clamp(min=0.0), torch.zeros_like(lam))
+    horizon = alpha * lengths
+    lam = 1.0 - 1.0 / horizon.clamp(min=1.0)
+    return torch.where(horizon > 1.0, lam, torch.full_like(lam, fallback))
 
 
 def broadcast_to_tokens(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -248,7 +257,9 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
     mask, values = inputs.response_mask, inputs.values
     rewards = _token_rewards(inputs, config)
     if config.length_adaptive_alpha is not None:
-        lam_policy = length_adaptive_lambda(mask.sum(dim=1), config.length_adaptive_alpha)
+        lam_policy = length_adaptive_lambda(
+            mask.sum(dim=1), config.length_adaptive_alpha, config.lambda_policy
+        )
     else:
         lam_policy = config.lambda_policy
     advantages = gae(rewards, values, mask, config.gamma, lam_policy)

@@ -105,7 +105,9 @@ class RLTrainer:
         c, t = config, config.trainer
         layout = c.parallel
         arch = ModelArchitecture.from_hf_config(c.model.path)
-        self.ctx = platform.initialize(layout, arch=arch, seed=t.seed)
+        self.ctx = platform.initialize(
+            layout, arch=arch, seed=t.seed, deterministic=t.deterministic
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(c.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
