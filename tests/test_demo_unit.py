@@ -1,0 +1,40 @@
+"""The demo's pass rule and curves, on metrics files written the way the trainer writes them."""
+
+import json
+
+from megatron_rl.demo import gain_table, plot_curves, read_curves
+
+
+def write_metrics(path, accuracies: dict[int, float]) -> None:
+    """One record per step as `metrics.jsonl` has them: a value-pretraining line, the step-0
+    eval line, then train lines, with `eval/accuracy` on the steps that evaluated."""
+    lines = [{"stage": "value_pretrain", "step": 1, "reward/mean": -0.5}]
+    lines.append({"stage": "eval", "step": 0, "eval/accuracy": accuracies[0]})
+    for step in range(1, max(accuracies) + 1):
+        record = {"stage": "train", "step": step, "reward/mean": step / 10}
+        if step in accuracies:
+            record["eval/accuracy"] = accuracies[step]
+        lines.append(record)
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_every_seed_must_gain_the_margin_from_first_to_last_eval(tmp_path):
+    curves = {}
+    for seed, evals in {0: {0: 0.2, 5: 0.5, 10: 0.62}, 1: {0: 0.2, 5: 0.7, 10: 0.44}}.items():
+        write_metrics(tmp_path / f"{seed}.jsonl", evals)
+        curves[seed] = read_curves(tmp_path / f"{seed}.jsonl")
+    assert curves[0]["eval"] == {0: 0.2, 5: 0.5, 10: 0.62}
+    assert list(curves[0]["reward"]) == list(range(1, 11))  # train steps only
+    table, failing = gain_table(curves, min_gain=0.25)
+    # seed 1 peaked at +0.5 but ended at +0.24: the last eval decides, not the best one
+    assert failing == [1]
+    assert "+0.42" in table and "+0.24" in table
+    assert gain_table(curves, min_gain=0.2)[1] == []
+
+
+def test_plot_is_written_as_png_into_a_new_directory(tmp_path):
+    write_metrics(tmp_path / "m.jsonl", {0: 0.1, 5: 0.4})
+    curves = {0: read_curves(tmp_path / "m.jsonl"), 1: read_curves(tmp_path / "m.jsonl")}
+    png = tmp_path / "out" / "curves.png"
+    plot_curves(curves, png, "title")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
