@@ -85,6 +85,9 @@ class CriticConfig:
     """Value pretraining steps before PPO (VAPO: 50), policy frozen, lambda = 1 returns."""
     pretrain_ev_threshold: float | None = None
     """Stop value pretraining early once explained variance reaches this."""
+    pretrain_ev_warn_below: float = 0.3
+    """Warn when value pretraining ends below this explained variance: the critic then
+    explains little of the returns, and GAE advantages (lambda < 1) lean on its noise."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ def parse_args(argv=None, description: str = __doc__):
 
 def value_pretrain(trainer) -> None:
     interval = trainer.config.trainer.save_interval
+    metrics = {}
     while not trainer.value_pretrain_done:
         metrics = trainer.value_pretrain_step_once()
         trainer.logger.log(
@@ -52,6 +53,15 @@ def value_pretrain(trainer) -> None:
             and not trainer.value_pretrain_done
         ):
             trainer.save()
+    ev = metrics.get("critic/explained_variance")
+    floor = trainer.config.critic.pretrain_ev_warn_below
+    if ev is not None and not ev >= floor and trainer.logger.enabled:  # NaN warns too
+        print(
+            f"warning: value pretraining ended at explained variance {ev:.3g} < {floor} "
+            "(critic.pretrain_ev_warn_below): the critic explains little of the returns; "
+            "more critic.pretrain_steps or a higher critic.optim.lr may help",
+            flush=True,
+        )
     trainer.save()  # the pretrained critic: PPO (or a later run) starts from it
 
 

@@ -15,6 +15,7 @@ from megatron_rl.algorithms import (
     clipped_value_loss,
     entropy_from_logits,
     explained_variance,
+    explained_variance_of,
     get_adv_estimator,
     kl_estimate,
     kl_penalized_token_rewards,
@@ -419,6 +420,37 @@ def test_entropy_and_explained_variance():
     mean_pred = torch.full_like(returns, returns.mean().item())
     assert explained_variance(mean_pred, returns, mask).item() == pytest.approx(0.0, abs=1e-12)
     assert math.isnan(explained_variance(returns, torch.ones_like(returns), mask).item())
+
+
+def test_explained_variance_of_a_split_batch_is_the_whole_batchs():
+    g = torch.Generator().manual_seed(0)
+    returns = torch.randn(6, 5, generator=g, dtype=DTYPE)
+    returns[:3] = 1.0  # one part (a micro-batch, a DP rank) with constant returns
+    values = returns + 0.5 * torch.randn(6, 5, generator=g, dtype=DTYPE)
+    mask = (torch.rand(6, 5, generator=g) < 0.8).to(DTYPE)
+    parts = [slice(0, 3), slice(3, 6)]
+    moments = [
+        (Moments.of(returns[p], mask[p]), Moments.of(returns[p] - values[p], mask[p]))
+        for p in parts
+    ]
+    added = [Moments.from_tensor(sum(m[i].as_tensor() for m in moments)) for i in (0, 1)]
+    whole = explained_variance(values, returns, mask)
+    assert explained_variance_of(*added).item() == pytest.approx(whole.item(), rel=1e-12)
+    # the per-part statistic is undefined on the constant part, so a NaN-skipping mean of
+    # parts reports the other part alone: not the batch's explained variance
+    per_part = [explained_variance(values[p], returns[p], mask[p]).item() for p in parts]
+    assert math.isnan(per_part[0]) and per_part[1] != pytest.approx(whole.item(), abs=0.05)
+
+
+def test_gae_reports_the_lambda_each_sequence_used():
+    b = random_batch(4)
+    inputs = AdvantageInputs(b["scores"], b["response_mask"], b["values"])
+    adaptive = get_adv_estimator("gae")(inputs, AdvantageConfig(length_adaptive_alpha=0.2))
+    lengths = b["response_mask"].sum(dim=1)
+    expected = length_adaptive_lambda(lengths, 0.2, AdvantageConfig().lambda_policy)
+    assert torch.equal(adaptive.lambda_policy, expected)
+    fixed = get_adv_estimator("gae")(inputs, AdvantageConfig(lambda_policy=0.9))
+    assert fixed.lambda_policy.tolist() == [0.9] * len(b["scores"])
 
 
 def test_aggregate_empty_batch_is_zero():

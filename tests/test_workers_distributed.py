@@ -18,13 +18,16 @@ LAYOUTS = ["dp1-mb4", "dp2-mb2", "tp2", "tp2-sp", "pp2"]
 
 def merge(out_dir, name):
     """Per-rank results of one layout -> one view of the global batch."""
-    merged = {"grads": {}, "critic_grads": {}}
+    merged = {"grads": {}, "critic_grads": {}, "metrics": {}}
     logprobs, values = {}, {}
     for f in sorted(out_dir.glob(f"{name}.rank*.pt")):
         r = torch.load(f)
         for loss, grads in r["grads"].items():
             merged["grads"].setdefault(loss, {}).update(grads)
         merged["critic_grads"].update(r["critic_grads"])
+        for loss, metrics in r["metrics"].items():
+            if metrics:  # only the last pipeline stage computes the loss
+                merged["metrics"][loss] = metrics
         logprobs[r["rows"]], values[r["rows"]] = r["logprobs"], r["values"]
     merged["logprobs"] = torch.cat([logprobs[k] for k in sorted(logprobs)])
     merged["values"] = torch.cat([values[k] for k in sorted(values)])
@@ -60,6 +63,21 @@ def test_critic_gradients_do_not_depend_on_the_split(results, layout):
     reference = results["dp1-mb1"]["critic_grads"]
     assert "score.weight" in reference and "lm_head.weight" not in reference
     assert relative_max_diff(reference, results[layout]["critic_grads"]) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logged_losses_are_the_global_batchs_whatever_the_split(results, layout):
+    """pg_loss, nll_loss, kl_loss, value_loss: the loss of the whole global batch (summed
+    micro-batch shares), so they read the same for every split, as verl's do."""
+    reference, other = results["dp1-mb1"]["metrics"], results[layout]["metrics"]
+    for loss, keys in {
+        "token-mean+nll": ["pg_loss", "nll_loss"],
+        "entropy+kl": ["pg_loss", "kl_loss"],
+        "critic": ["value_loss"],
+    }.items():
+        for key in keys:
+            assert abs(reference[loss][key]) > 1e-3, (loss, key)  # not a trivial zero
+            assert_close(other[loss][key], reference[loss][key], FP32_MODEL, f"{loss} {key}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

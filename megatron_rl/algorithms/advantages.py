@@ -103,6 +103,8 @@ class AdvantageOutputs:
     """[B, T] before whitening (equal to advantages when the estimator does not whiten)."""
     response_mask: torch.Tensor
     whitened: bool
+    lambda_policy: torch.Tensor | None = None
+    """[B] float64: the GAE lambda each sequence's advantages used (gae only; logged)."""
 
     def raw_moments(self) -> Moments:
         """Moments of the unwhitened advantages on this rank, to all-reduce."""
@@ -233,10 +235,12 @@ def _token_rewards(inputs: AdvantageInputs, config: AdvantageConfig, scores=None
     return kl_penalized_token_rewards(scores, kl, inputs.response_mask, config.kl_coef)
 
 
-def _outputs(advantages, returns, inputs: AdvantageInputs, whiten: bool) -> AdvantageOutputs:
+def _outputs(
+    advantages, returns, inputs: AdvantageInputs, whiten: bool, lambda_policy=None
+) -> AdvantageOutputs:
     mask = inputs.response_mask
     final = masked_whiten(advantages, mask) if whiten else advantages
-    return AdvantageOutputs(final, returns, advantages, mask, whiten)
+    return AdvantageOutputs(final, returns, advantages, mask, whiten, lambda_policy)
 
 
 # ---------------------------------------------------------------- estimators
@@ -268,7 +272,8 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
     else:
         critic_advantages = gae(rewards, values, mask, config.gamma, config.lambda_critic)
     returns = torch.where(mask.bool(), critic_advantages + values, 0)
-    return _outputs(advantages, returns, inputs, config.whiten_advantages)
+    per_sequence = torch.as_tensor(lam_policy, dtype=torch.float64).expand(len(mask))
+    return _outputs(advantages, returns, inputs, config.whiten_advantages, per_sequence)
 
 
 @register_adv_est("grpo")

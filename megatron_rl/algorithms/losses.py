@@ -178,6 +178,14 @@ def explained_variance(
     """1 - Var(R - V) / Var(R) over valid tokens (1: perfect, 0: as good as the mean,
     < 0: worse than the mean). NaN when Var(R) = 0, where it is undefined."""
     check_same_shape("returns", returns, "values", values)
-    var_r = Moments.of(returns, response_mask).var
-    var_err = Moments.of(returns - values, response_mask).var
-    return torch.where(var_r > 0, 1 - var_err / var_r, torch.full_like(var_r, float("nan")))
+    return explained_variance_of(
+        Moments.of(returns, response_mask), Moments.of(returns - values, response_mask)
+    )
+
+
+def explained_variance_of(returns: Moments, residuals: Moments) -> torch.Tensor:
+    """Explained variance from the moments of R and of R - V, which add up over micro-batches
+    and ranks: one statistic for a whole distributed batch, not a mean of per-part ones
+    (biased, and undefined on parts whose returns are constant)."""
+    var_r = returns.var
+    return torch.where(var_r > 0, 1 - residuals.var / var_r, torch.full_like(var_r, float("nan")))

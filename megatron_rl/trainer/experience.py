@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.algorithms.advantages import AdvantageConfig, AdvantageInputs, get_adv_estimator
+from megatron_rl.algorithms.advantages import (
+    AdvantageConfig,
+    AdvantageInputs,
+    AdvantageOutputs,
+    get_adv_estimator,
+)
 from megatron_rl.algorithms.kl import kl_estimate
+from megatron_rl.algorithms.losses import explained_variance_of
 from megatron_rl.algorithms.masked import Moments, masked_mean
 from megatron_rl.rollout.parity import samples_to_batch
 from megatron_rl.workers.batch import TrainingBatch
@@ -55,14 +61,26 @@ def data_parallel_moments(m: Moments) -> Moments:
     return Moments.from_tensor(t)
 
 
+def data_parallel_explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> float:
+    """Explained variance of the critic's values [B, S] for the returns [B, S] over every
+    response token of the DP-global batch (the values before this step's update, as verl's
+    vf_explained_var)."""
+    return explained_variance_of(
+        data_parallel_moments(Moments.of(returns, response_mask)),
+        data_parallel_moments(Moments.of(returns - values, response_mask)),
+    ).item()
+
+
 def compute_advantages(
     batch: TrainingBatch,
     group_index: torch.Tensor,
     config: AdvantageConfig,
     values: torch.Tensor | None = None,
     token_kl: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [B, S] aligned to tokens; whitening is DP-global."""
+) -> AdvantageOutputs:
+    """The estimator's outputs ([B, S] aligned to tokens) with DP-global whitening."""
     inputs = AdvantageInputs(
         scores=batch.scores.double(),
         response_mask=batch.response_mask,
@@ -71,8 +89,7 @@ def compute_advantages(
         token_kl=None if token_kl is None else token_kl.double(),
     )
     out = get_adv_estimator(config.estimator)(inputs, config)
-    out = out.rewhiten(data_parallel_moments(out.raw_moments()))
-    return out.advantages.float(), out.returns.float()
+    return out.rewhiten(data_parallel_moments(out.raw_moments()))
 
 
 def make_experience(
@@ -98,7 +115,13 @@ def make_experience(
     if critic is not None:
         values = critic.compute_values(batch, nmb)
         fields["old_values"] = values
-    advantages, returns = compute_advantages(batch, group_index, config.algorithm, values, token_kl)
+    out = compute_advantages(batch, group_index, config.algorithm, values, token_kl)
+    advantages, returns = out.advantages.float(), out.returns.float()
+    if out.lambda_policy is not None:  # per sequence; rows without a token never use it
+        lam = out.lambda_policy[mask.sum(dim=1) > 0]
+        if lam.numel():
+            metrics["lambda_policy_mean"] = lam.mean().item()
+            metrics["lambda_policy_min"] = lam.min().item()
     engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
     gap = (engine_lp - old).abs()[mask.bool()]
     metrics.update(
@@ -111,6 +134,9 @@ def make_experience(
     )
     if values is not None:
         metrics["values_mean"] = masked_mean(values, mask).item()
+        metrics["critic/explained_variance"] = data_parallel_explained_variance(
+            values, returns, mask
+        )
     return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics
 
 

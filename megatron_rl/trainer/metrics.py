@@ -11,8 +11,8 @@ from pathlib import Path
 
 
 def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean of each key over the ranks that report it (PP stages report different keys;
-    TP ranks report the same values). Every rank gets the result."""
+    """Mean of each key over the ranks that report it (`*_max`: the max, `*_min`: the min;
+    PP stages report different keys, TP ranks the same values). Every rank gets the result."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -24,6 +24,8 @@ def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
         values = [float(m[key]) for m in gathered if key in m]
         if key.endswith("_max"):
             out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
         else:
             out[key] = sum(values) / len(values)
     return out

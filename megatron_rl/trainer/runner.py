@@ -31,6 +31,7 @@ from megatron_rl.trainer.checkpoint import (
 )
 from megatron_rl.trainer.experience import (
     compute_advantages,
+    data_parallel_explained_variance,
     forward_microbatches,
     make_experience,
     mini_batches,
@@ -312,7 +313,7 @@ class RLTrainer:
             batch, forward_microbatches(len(batch), c.actor.micro_batch_size)
         )
         mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
-        _, returns = compute_advantages(batch, group_index, mc, values)
+        returns = compute_advantages(batch, group_index, mc, values).returns.float()
         batch = batch.with_fields(returns=returns, old_values=values)
         records = [
             self.critic.update(mb, c.critic.loss, nmb)
@@ -322,6 +323,9 @@ class RLTrainer:
             self.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
         )
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(records).items()})
+        metrics["critic/explained_variance"] = data_parallel_explained_variance(
+            values, returns, batch.response_mask
+        )
         self.value_pretrain_step += 1
         return reduce_over_ranks(metrics)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.algorithms.losses import clipped_value_loss, explained_variance
+from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
@@ -59,7 +59,4 @@ class Critic(TrainableRole):
             global_seq_count=seqs,
         )
         metrics["value_loss"] = loss
-        metrics["explained_variance"] = explained_variance(
-            values.detach(), mb.returns, mb.response_mask
-        )
         return loss, metrics

@@ -190,6 +190,12 @@ def export_hf_tensors(
             yield from hf_tensors_from_megatron(name, shards, arch, offset).items()
 
 
+LOSS_SHARES = frozenset({"pg_loss", "nll_loss", "kl_loss", "value_loss"})
+"""Metrics a loss function returns as one micro-batch's share of a loss normalised over the
+whole DP-global batch (global token or sequence counts): summed over micro-batches and DP
+ranks they are the batch's loss, the number verl and OpenRLHF log."""
+
+
 def data_parallel_sum(t: torch.Tensor) -> torch.Tensor:
     """All-reduce (SUM) over the data-parallel group; identity with one DP rank."""
     from megatron.core import parallel_state
@@ -259,7 +265,8 @@ class TrainableRole(MegatronRole):
     ) -> dict[str, float]:
         """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
         main_grad (reduced over DP, and over TP for sequence-parallel norms). Returns the
-        metrics averaged over micro-batches (on the last pipeline stage; {} elsewhere)."""
+        metrics on the last pipeline stage ({} elsewhere): the losses (LOSS_SHARES) of the
+        whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches."""
         from megatron.core import parallel_state
 
         for chunk in self.chunks:
@@ -276,9 +283,12 @@ class TrainableRole(MegatronRole):
         )
         if not metrics:
             return {}
-        return {
-            k: torch.stack([m[k] for m in metrics]).double().nanmean().item() for k in metrics[0]
-        }
+        out = {k: torch.stack([m[k] for m in metrics]).double() for k in metrics[0]}
+        shares = [k for k in out if k in LOSS_SHARES]
+        if shares:  # every rank of a DP group is the same pipeline stage: all call this
+            totals = data_parallel_sum(torch.stack([out[k].sum() for k in shares]))
+            out.update(zip(shares, totals, strict=True))
+        return {k: (v if k in LOSS_SHARES else v.nanmean()).item() for k, v in out.items()}
 
     def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""

@@ -65,17 +65,17 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
     rows_per_rank = len(batch) // ctx.dp_size
     rows = slice(ctx.dp_rank * rows_per_rank, (ctx.dp_rank + 1) * rows_per_rank)
     local = batch.rows(rows)
-    result = {"rows": (rows.start, rows.stop), "grads": {}}
+    result = {"rows": (rows.start, rows.stop), "grads": {}, "metrics": {}}
 
     actor = Actor(arch, layout, hf_dir)
     for loss_name, cfg in LOSSES.items():
-        actor.compute_gradients(local, cfg, microbatches)
+        result["metrics"][loss_name] = actor.compute_gradients(local, cfg, microbatches)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
     result["logprobs"] = actor.compute_logprobs(local, microbatches)
 
     critic = Critic(arch, layout, hf_dir)
     result["values"] = critic.compute_values(local, microbatches)
-    critic.compute_gradients(local, ValueLossConfig(), microbatches)
+    result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), microbatches)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))
 
     torch.save(result, Path(out_dir) / f"{name}.rank{ctx.rank}.pt")
