@@ -134,7 +134,9 @@ def warm_start(model_dir: Path, out: Path, steps: int, threads: int) -> None:
     )  # fmt: skip
 
 
-def run_rl(recipe: str, model_dir: Path, out: Path, seed: int) -> None:
+def run_rl(
+    recipe: str, model_dir: Path, out: Path, seed: int, overrides=(), echo: bool = True
+) -> None:
     from megatron_rl.launch import run_torchrun
 
     if out.exists():
@@ -145,8 +147,9 @@ def run_rl(recipe: str, model_dir: Path, out: Path, seed: int) -> None:
         f"model.path={model_dir}",
         f"trainer.output_dir={out}",
         f"trainer.seed={seed}",
+        *overrides,
     ]
-    run_torchrun("megatron_rl.train", args, nproc=2, timeout=1200, echo=True)
+    run_torchrun("megatron_rl.train", args, nproc=2, timeout=1200, echo=echo)
 
 
 def read_curves(metrics_file: Path) -> dict:
