@@ -200,7 +200,7 @@ def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_rl.launch import THREAD_ENV_VARS
+    from megatron_rl.platform import pin_threads
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = p.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
-    # Fixed thread counts for this process and every child: one less host difference.
-    os.environ.update({name: str(a.threads) for name in THREAD_ENV_VARS})
+    pin_threads(a.threads)  # this process and every child: one less host difference
 
     t0 = time.time()
     model_dir = ensure_tiny_model(a.dir / "tiny-qwen2")

@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_rl.demo import read_curves, run_rl, warm_start
+from megatron_rl.demo import ensure_tiny_model, read_curves, run_rl, warm_start
 
 TARGET = 0.6
 """Held-out accuracy for the "steps to reach" column."""
@@ -151,11 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
 
-    from tools.make_tiny_model import make_tiny_model
-
-    model = a.dir / "tiny-qwen2"
-    if not (model / "config.json").exists():
-        make_tiny_model(model)
+    model = ensure_tiny_model(a.dir / "tiny-qwen2")
     sft = a.dir / "tiny-sft"
     warm_start(model, sft, steps=80, threads=1)
 
