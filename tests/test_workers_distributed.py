@@ -67,17 +67,20 @@ def test_critic_gradients_do_not_depend_on_the_split(results, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logged_losses_are_the_global_batchs_whatever_the_split(results, layout):
-    """pg_loss, nll_loss, kl_loss, value_loss: the loss of the whole global batch (summed
-    micro-batch shares), so they read the same for every split, as verl's do."""
+    """The losses and the token means (entropy, ppo_kl, clip fractions) of the whole global
+    batch (summed micro-batch shares), so they read the same for every split, as verl's do;
+    a mean of micro-batch means would not."""
     reference, other = results["dp1-mb1"]["metrics"], results[layout]["metrics"]
     for loss, keys in {
-        "token-mean+nll": ["pg_loss", "nll_loss"],
-        "entropy+kl": ["pg_loss", "kl_loss"],
+        "token-mean+nll": ["pg_loss", "nll_loss", "entropy", "ppo_kl"],
+        "entropy+kl": ["pg_loss", "kl_loss", "entropy"],
         "critic": ["value_loss"],
     }.items():
         for key in keys:
             assert abs(reference[loss][key]) > 1e-3, (loss, key)  # not a trivial zero
             assert_close(other[loss][key], reference[loss][key], FP32_MODEL, f"{loss} {key}")
+    for loss, key in [("token-mean+nll", "pg_clipfrac"), ("critic", "vf_clipfrac")]:
+        assert_close(other[loss][key], reference[loss][key], FP32_MODEL, f"{loss} {key}")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

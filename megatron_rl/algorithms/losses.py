@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 
 from megatron_rl.algorithms.checks import check_mask, check_per_sequence, check_same_shape
-from megatron_rl.algorithms.masked import Moments, masked_mean, masked_sum
+from megatron_rl.algorithms.masked import Moments, masked_sum
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -57,6 +57,17 @@ def aggregate_loss(
     return per_seq.sum() / torch.as_tensor(count).clamp(min=1)
 
 
+def token_mean(
+    x: torch.Tensor, response_mask: torch.Tensor, global_token_count=None
+) -> torch.Tensor:
+    """Sum of `x` [B, T] over valid tokens / the global valid-token count, in float64: this
+    micro-batch's share of the whole batch's token mean (the mean itself without a count).
+    Summed over micro-batches and DP ranks, the shares are the mini-batch's mean, what verl
+    and OpenRLHF log as entropy or clipfrac; a mean of micro-batch means would weight a short
+    micro-batch's tokens more."""
+    return aggregate_loss(x.double(), response_mask, "token-mean", global_token_count)
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -75,7 +86,8 @@ def ppo_policy_loss(
 
     L_t = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high)),
     and for A_t < 0 with dual clip, min(L_t, -c * A_t).
-    Inputs [B, T]; returns (scalar loss, metrics of this batch for logging).
+    Inputs [B, T]; returns (scalar loss, metrics): the metrics are token means, shares of the
+    global batch's like the loss (`token_mean`).
     """
     check_mask(response_mask)
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages)):
@@ -92,19 +104,23 @@ def ppo_policy_loss(
     clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss_bt = torch.maximum(unclipped, clipped)
     active = clipped > unclipped  # the clip binds: the gradient through ratio is cut
+
+    def share(x):
+        return token_mean(x, response_mask, global_token_count)
+
     metrics = {
-        "pg_clipfrac": masked_mean(active.double(), response_mask),
+        "pg_clipfrac": share(active),
         # Which side binds: ratio below 1 - eps_low (A < 0) or above 1 + eps_high (A > 0);
         # clip-higher moves only the second.
-        "pg_clipfrac_low": masked_mean((active & (ratio < 1.0)).double(), response_mask),
-        "pg_clipfrac_high": masked_mean((active & (ratio > 1.0)).double(), response_mask),
+        "pg_clipfrac_low": share(active & (ratio < 1.0)),
+        "pg_clipfrac_high": share(active & (ratio > 1.0)),
     }
     if dual_clip_c is not None:
         bound = -advantages * dual_clip_c
         dual = (advantages < 0) & (loss_bt > bound)
         loss_bt = torch.where(advantages < 0, torch.minimum(loss_bt, bound), loss_bt)
-        metrics["pg_clipfrac_lower"] = masked_mean(dual.double(), response_mask)
-    metrics["ppo_kl"] = masked_mean(-log_ratio.detach(), response_mask)
+        metrics["pg_clipfrac_lower"] = share(dual)
+    metrics["ppo_kl"] = share(-log_ratio.detach())
     loss = aggregate_loss(
         loss_bt, response_mask, loss_agg_mode, global_token_count, global_seq_count
     )
@@ -147,7 +163,8 @@ def clipped_value_loss(
     global_seq_count: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """0.5 * max((V - R)^2, (clip(V, V_old - eps, V_old + eps) - R)^2), aggregated like the
-    policy loss (PPO, arXiv 1707.06347; clip_eps=None gives plain 0.5 * (V - R)^2)."""
+    policy loss (PPO, arXiv 1707.06347; clip_eps=None gives plain 0.5 * (V - R)^2).
+    Returns (loss, {"vf_clipfrac": a `token_mean` share like the loss})."""
     check_mask(response_mask)
     for name, x in (("old_values", old_values), ("returns", returns)):
         check_same_shape(name, x, "values", values)
@@ -158,7 +175,7 @@ def clipped_value_loss(
         v_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
         clipped = (v_clipped - returns).square()
         loss_bt = 0.5 * torch.maximum(unclipped, clipped)
-        clipfrac = masked_mean((clipped > unclipped).double(), response_mask)
+        clipfrac = token_mean(clipped > unclipped, response_mask, global_token_count)
     loss = aggregate_loss(
         loss_bt, response_mask, loss_agg_mode, global_token_count, global_seq_count
     )

@@ -190,10 +190,15 @@ def export_hf_tensors(
             yield from hf_tensors_from_megatron(name, shards, arch, offset).items()
 
 
-LOSS_SHARES = frozenset({"pg_loss", "nll_loss", "kl_loss", "value_loss"})
-"""Metrics a loss function returns as one micro-batch's share of a loss normalised over the
-whole DP-global batch (global token or sequence counts): summed over micro-batches and DP
-ranks they are the batch's loss, the number verl and OpenRLHF log."""
+BATCH_SHARES = frozenset({
+    "pg_loss", "nll_loss", "kl_loss", "value_loss",
+    "entropy", "ppo_kl", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high",
+    "pg_clipfrac_lower", "vf_clipfrac",
+})  # fmt: skip
+"""Metrics a loss function returns as one micro-batch's share of a statistic normalised over
+the whole DP-global mini-batch (global token or sequence counts): the losses, and token means
+(`algorithms.losses.token_mean`). Summed over micro-batches and DP ranks they are the
+mini-batch's loss or mean, the numbers verl and OpenRLHF log."""
 
 
 def data_parallel_sum(t: torch.Tensor) -> torch.Tensor:
@@ -265,7 +270,7 @@ class TrainableRole(MegatronRole):
     ) -> dict[str, float]:
         """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
         main_grad (reduced over DP, and over TP for sequence-parallel norms). Returns the
-        metrics on the last pipeline stage ({} elsewhere): the losses (LOSS_SHARES) of the
+        metrics on the last pipeline stage ({} elsewhere): the BATCH_SHARES of the
         whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches."""
         from megatron.core import parallel_state
 
@@ -284,11 +289,11 @@ class TrainableRole(MegatronRole):
         if not metrics:
             return {}
         out = {k: torch.stack([m[k] for m in metrics]).double() for k in metrics[0]}
-        shares = [k for k in out if k in LOSS_SHARES]
+        shares = [k for k in out if k in BATCH_SHARES]
         if shares:  # every rank of a DP group is the same pipeline stage: all call this
             totals = data_parallel_sum(torch.stack([out[k].sum() for k in shares]))
             out.update(zip(shares, totals, strict=True))
-        return {k: (v if k in LOSS_SHARES else v.nanmean()).item() for k, v in out.items()}
+        return {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
 
     def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""

@@ -12,8 +12,12 @@ from pathlib import Path
 import torch
 
 from megatron_rl.algorithms.kl import kl_estimate
-from megatron_rl.algorithms.losses import aggregate_loss, positive_sample_nll_loss, ppo_policy_loss
-from megatron_rl.algorithms.masked import masked_mean
+from megatron_rl.algorithms.losses import (
+    aggregate_loss,
+    positive_sample_nll_loss,
+    ppo_policy_loss,
+    token_mean,
+)
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
@@ -128,5 +132,5 @@ class Actor(_LogProbs, TrainableRole):
             kl_loss = aggregate_loss(kl, mask, cfg.loss_agg_mode, tokens, seqs)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss
-        metrics["entropy"] = masked_mean(entropy, mask)
+        metrics["entropy"] = token_mean(entropy.detach(), mask, tokens)
         return loss, metrics
