@@ -1,7 +1,7 @@
 """VAPO against the field on the demo's task: one warm start, one budget, several seeds.
 
     python -m tools.compare_algorithms [--variants vapo,ppo,grpo,dapo,rloo,reinforce_pp]
-        [--ablations] [--seeds 0,1,2] [--ablation-seeds 0] [--dir runs/compare]
+        [--ablations] [--seeds 0,1,2] [--ablation-seeds SEEDS] [--dir runs/compare]
         [--out docs/compare_algorithms]
 
 Every variant starts from the demo's warm start (`megatron_rl.sft`, 80 steps) and gets the
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ablations", action="store_true", help="also VAPO without each piece")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--ablation-seeds", default="0")
+    p.add_argument("--ablation-seeds", default=None, help="default: --seeds")
     p.add_argument("--dir", type=Path, default=Path("runs/compare"))
     p.add_argument("--out", type=Path, default=Path("docs/compare_algorithms"))
     a = p.parse_args(argv)
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 
     plan = [(v, *VARIANTS[v], a.seeds) for v in a.variants.split(",")]
     if a.ablations:
-        plan += [(name, *spec, a.ablation_seeds) for name, spec in ABLATIONS.items()]
+        plan += [(name, *spec, a.ablation_seeds or a.seeds) for name, spec in ABLATIONS.items()]
     curves, rows = {}, []
     for name, recipe, overrides, seeds in plan:
         runs, seconds = {}, {}
