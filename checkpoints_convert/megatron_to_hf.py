@@ -73,7 +73,7 @@ def worker(args) -> None:
     import torch
 
     from megatron_rl import platform
-    from megatron_rl.workers.megatron_model import export_hf_tensors
+    from megatron_rl.models.hf_mapping import export_hf_tensors
 
     layout = checked_layout(args.tp, args.pp)
     ctx = platform.initialize(layout)

@@ -56,8 +56,8 @@ def worker(args) -> None:
     from megatron.core import tensor_parallel
 
     from megatron_rl import platform
-    from megatron_rl.workers.batch import TrainingBatch
-    from megatron_rl.workers.megatron_model import run_schedule
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.workers.schedule import run_schedule
 
     layout = checked_layout(args.tp, args.pp)
     ctx = platform.initialize(layout)

@@ -30,7 +30,7 @@ from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
-from megatron_rl.workers.megatron_model import OptimConfig
+from megatron_rl.workers.optimizer import OptimConfig
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 

@@ -36,7 +36,7 @@ machine-to-machine differences in CPU rounding move a run by."""
 
 
 def ensure_tiny_model(path: Path) -> Path:
-    from tools.make_tiny_model import make_tiny_model
+    from megatron_rl.models.tiny import make_tiny_model
 
     if (path / "config.json").exists():
         return path

@@ -2,7 +2,7 @@
 colocated vLLM engine. Pure arithmetic on the model shape: no torch, no process group.
 
 Model states per parameter held by a GPU (mixed precision, megatron-core DDP with
-`grad_reduce_in_fp32=True` as `megatron_rl.workers.megatron_model` builds it):
+`grad_reduce_in_fp32=True` as `megatron_rl.workers.optimizer` builds it):
     weights 2 B (bf16) + grads 4 B (fp32 buffer) + Adam 12 B (fp32 master, m, v),
 the Adam part divided by DP under the distributed optimizer (ZeRO-1; Rajbhandari et al. 2020).
 fp32 training (the CPU path) keeps weights 4 B, grads 4 B, Adam m and v 8 B.

@@ -17,10 +17,12 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.models.architecture import ModelArchitecture
+if TYPE_CHECKING:  # the model is checked against the layout; platform never builds one
+    from megatron_rl.models.architecture import ModelArchitecture
 
 
 @dataclass(frozen=True)

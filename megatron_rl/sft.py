@@ -39,11 +39,12 @@ def main(argv=None) -> None:
 
     from megatron_rl import platform
     from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
+    from megatron_rl.data.batch import samples_to_batch
     from megatron_rl.models.architecture import ModelArchitecture
-    from megatron_rl.rollout.parity import samples_to_batch
+    from megatron_rl.models.hf_mapping import export_hf_tensors
     from megatron_rl.rollout.vllm_engine import Sample
     from megatron_rl.workers.losses_config import PolicyLossConfig
-    from megatron_rl.workers.megatron_model import OptimConfig, export_hf_tensors
+    from megatron_rl.workers.optimizer import OptimConfig
     from megatron_rl.workers.policy import Actor
 
     arch = ModelArchitecture.from_hf_config(a.model)

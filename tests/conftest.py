@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.make_tiny_model import TinyModelSpec, make_tiny_model
+from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
 
 
 @pytest.fixture(scope="session")

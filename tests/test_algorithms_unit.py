@@ -514,3 +514,41 @@ def test_bad_inputs_are_clear_errors():
         ppo_policy_loss(logp, old, adv, mask, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="dual_clip_c must be > 1"):
         ppo_policy_loss(logp, old, adv, mask, dual_clip_c=0.5)
+
+
+def test_policy_losses_are_a_registry_keyed_by_name():
+    """`vanilla` is ppo_policy_loss with the config's settings; a new loss is one function and
+    one decorator, and the config accepts its name; an unknown name is refused with a hint."""
+    from dataclasses import replace
+
+    from megatron_rl.algorithms import (
+        POLICY_LOSSES,
+        get_policy_loss_fn,
+        ppo_policy_loss,
+        register_policy_loss,
+    )
+    from megatron_rl.workers.losses_config import PolicyLossConfig
+
+    logp, old, adv, mask, _ = random_policy_batch(0)
+    cfg = PolicyLossConfig(clip_eps_low=0.1, clip_eps_high=0.3, dual_clip_c=3.0)
+    loss, metrics = get_policy_loss_fn("vanilla")(logp, old, adv, mask, cfg, 40.0, 7.0)
+    expected, expected_metrics = ppo_policy_loss(
+        logp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip_c=3.0,
+        global_token_count=40.0, global_seq_count=7.0,
+    )  # fmt: skip
+    assert torch.equal(loss, expected) and metrics.keys() == expected_metrics.keys()
+
+    @register_policy_loss("test_reinforce")
+    def reinforce(logp, old, adv, mask, config, tokens=None, seqs=None):
+        return aggregate_loss(-adv * logp, mask, config.loss_agg_mode, tokens, seqs), {}
+
+    try:
+        assert replace(cfg, loss_mode="test_reinforce").loss_mode == "test_reinforce"
+        got, _ = get_policy_loss_fn("test_reinforce")(logp, old, adv, mask, cfg)
+        assert torch.equal(got, aggregate_loss(-adv * logp, mask))
+        with pytest.raises(ValueError, match="'test_reinforce' is already registered"):
+            register_policy_loss("test_reinforce")(reinforce)
+    finally:
+        del POLICY_LOSSES["test_reinforce"]
+    with pytest.raises(ValueError, match=r"loss_mode\) 'vanila' \(did you mean 'vanilla'\?\)"):
+        PolicyLossConfig(loss_mode="vanila")

@@ -103,7 +103,7 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     moments; the trainer's checkpoint saves this rank's shard of them (trainer/checkpoint.py).
     Step, save, step again; a fresh actor loaded from the save takes the same second step."""
     from megatron_rl.trainer.checkpoint import load_role_state, role_state
-    from megatron_rl.workers.megatron_model import OptimConfig
+    from megatron_rl.workers.optimizer import OptimConfig
     from tests.workers.actor_critic import global_batch
 
     arch = ModelArchitecture.from_hf_config(tiny_model_dir)

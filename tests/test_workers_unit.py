@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
 from megatron_rl.platform import ParallelLayout
-from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import PolicyLossConfig
 
 

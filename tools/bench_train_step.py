@@ -21,13 +21,14 @@ import argparse
 import torch
 
 from megatron_rl import platform
+from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
-from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import PolicyLossConfig
-from megatron_rl.workers.megatron_model import OptimConfig, run_schedule
+from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.schedule import run_schedule
 from tools.bench_common import alternate, record
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_weight_sync-")) if ctx.rank == 0 else None
     try:
         if work is not None:
-            from tools.make_tiny_model import make_tiny_model, spec_for_preset
+            from megatron_rl.models.tiny import make_tiny_model, spec_for_preset
 
             make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
         hf_dir = _rank0_path(work / "model" if work else None, ctx)

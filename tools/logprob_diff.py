@@ -37,9 +37,10 @@ def parse_args(argv):
 @record
 def worker(a) -> None:
     from megatron_rl import platform
+    from megatron_rl.data.batch import samples_to_batch
     from megatron_rl.models.architecture import ModelArchitecture
     from megatron_rl.numerics import Tolerance, compare
-    from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap, samples_to_batch
+    from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
     from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
 

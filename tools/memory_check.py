@@ -87,7 +87,7 @@ def check(recompute: str | None, a, ctx) -> dict:
     from megatron_rl.models.gpt import RecomputeConfig
     from megatron_rl.models.presets import preset_arch
     from megatron_rl.workers.losses_config import PolicyLossConfig
-    from megatron_rl.workers.megatron_model import OptimConfig
+    from megatron_rl.workers.optimizer import OptimConfig
     from megatron_rl.workers.policy import Actor
     from tools.bench_train_step import synthetic_batch
 

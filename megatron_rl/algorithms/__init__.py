@@ -16,14 +16,18 @@ from megatron_rl.algorithms.advantages import (
 )
 from megatron_rl.algorithms.kl import kl_estimate, kl_penalized_token_rewards, outcome_token_rewards
 from megatron_rl.algorithms.losses import (
+    POLICY_LOSSES,
     aggregate_loss,
     clipped_value_loss,
     entropy_from_logits,
     explained_variance,
     explained_variance_of,
+    get_policy_loss_fn,
     positive_sample_nll_loss,
     ppo_policy_loss,
+    register_policy_loss,
     token_and_sequence_counts,
+    token_mean,
 )
 from megatron_rl.algorithms.masked import (
     Moments,
@@ -56,6 +60,10 @@ __all__ = [
     "outcome_token_rewards",
     "positive_sample_nll_loss",
     "ppo_policy_loss",
+    "POLICY_LOSSES",
+    "get_policy_loss_fn",
+    "register_policy_loss",
+    "token_mean",
     "register_adv_est",
     "token_and_sequence_counts",
 ]

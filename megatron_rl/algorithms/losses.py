@@ -9,6 +9,8 @@ with `token_and_sequence_counts` and all-reduces; these functions never communic
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -125,6 +127,58 @@ def ppo_policy_loss(
         loss_bt, response_mask, loss_agg_mode, global_token_count, global_seq_count
     )
     return loss, metrics
+
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""`fn(logprobs, old_logprobs, advantages, response_mask, config, global_token_count,
+global_seq_count) -> (loss, metrics)`: inputs [B, T], `config` the actor's PolicyLossConfig
+(`workers.losses_config`), metrics `token_mean` shares like the loss."""
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+"""Policy losses by name (`actor.loss.loss_mode`), as verl's `core_algos` registers them."""
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: a new policy loss is one function with `PolicyLossFn`'s signature."""
+
+    def register(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return register
+
+
+def get_policy_loss_fn(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        close = difflib.get_close_matches(name, POLICY_LOSSES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"unknown policy loss (loss_mode) {name!r}{hint}; registered: {sorted(POLICY_LOSSES)}"
+        )
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    logprobs, old_logprobs, advantages, response_mask, config, global_token_count=None,
+    global_seq_count=None,
+):  # fmt: skip
+    """PPO's clipped surrogate with clip-higher and dual-clip (`ppo_policy_loss`): PPO, GRPO,
+    DAPO and VAPO all use it (verl's `vanilla`)."""
+    return ppo_policy_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        response_mask,
+        clip_eps_low=config.clip_eps_low,
+        clip_eps_high=config.clip_eps_high,
+        dual_clip_c=config.dual_clip_c,
+        loss_agg_mode=config.loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+    )
 
 
 def positive_sample_mask(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

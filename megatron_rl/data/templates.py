@@ -1,7 +1,7 @@
 """Chat templates, applied by the tokenizer that owns them.
 
 The actor and a reward model may come from different families (a Qwen actor scored by a Llama
-RM, OpenRLHF discussion in seeds/001): each renders text with its own tokenizer's template, so
+RM, a known pitfall of OpenRLHF's PPO): each renders text with its own tokenizer's template, so
 nothing here assumes one template for the whole run.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -307,3 +307,40 @@ def load_hf_into_megatron(
                     f"the checkpoint gives {tuple(shard.shape)}"
                 )
             param.copy_(shard)
+
+
+def unwrap(chunk):
+    """The GPTModel inside a DDP wrapper (or the chunk itself)."""
+    return getattr(chunk, "module", chunk)
+
+
+def export_hf_tensors(
+    chunks: list, arch: ModelArchitecture, *, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for this rank's pipeline stage, TP shards gathered.
+
+    grads=True yields the reduced gradients (DDP's main_grad) instead of the weights. A
+    critic's value head is yielded as `score.weight`, as in HF sequence classification.
+    Every TP rank of the stage yields the same tensors.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.critic import ValueHead
+    from megatron_rl.models.gpt import layer_offset
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        offset = layer_offset(model)
+        for name, param in model.named_parameters():
+            tensor = param.main_grad if grads else param.detach()
+            if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
+                yield "score.weight", tensor.clone()
+                continue
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                shards = [torch.empty_like(tensor) for _ in range(tp_size)]
+                torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
+            else:
+                shards = [tensor]
+            yield from hf_tensors_from_megatron(name, shards, arch, offset).items()

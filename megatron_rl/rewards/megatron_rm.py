@@ -41,7 +41,7 @@ class MegatronRewardModel(HFRewardModel):
         from megatron_rl.models.critic import build_critic_chunks, load_value_head
         from megatron_rl.models.gpt import PrecisionConfig
         from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
-        from megatron_rl.workers.megatron_model import MegatronRole
+        from megatron_rl.workers.roles import MegatronRole
 
         arch = ModelArchitecture.from_hf_config(model_dir)
         layout = current_layout()
@@ -54,7 +54,7 @@ class MegatronRewardModel(HFRewardModel):
 
     @torch.no_grad()
     def score_token_ids(self, ids: list[list[int]]) -> list[float]:
-        from megatron_rl.workers.batch import TrainingBatch
+        from megatron_rl.data.batch import TrainingBatch
 
         width = max(len(x) for x in ids)
         tokens = torch.full((len(ids), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)

@@ -1,5 +1,5 @@
 """Where reward functions run: inline in the caller, or in a pool of Ray actors so that the
-next chunk can be generated while this one is scored (seeds/000's two-stage pipeline).
+next chunk can be generated while this one is scored (a two-stage generate / score pipeline).
 
 Both pools have the same two calls, `submit(batch) -> handle` and `result(handle)`; the inline
 pool scores at `submit`, the Ray pool returns at once and splits the batch across its workers.

@@ -1,5 +1,5 @@
 """Score responses with a Hugging Face sequence-classification reward model that keeps its
-own tokenizer and chat template (seeds/001: a Qwen actor scored by a Llama RM).
+own tokenizer and chat template (e.g. a Qwen actor scored by a Llama RM).
 
 The actor's response text (decoded, special tokens dropped) is put back into a conversation
 with the original prompt and rendered by the *RM's* template; the score is the RM's output at

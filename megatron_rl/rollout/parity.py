@@ -10,19 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.algorithms.masked import masked_mean
-from megatron_rl.workers.batch import TrainingBatch
-
-
-def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
-    """Engine samples -> right-padded [B, S] prompt+response batch with a response mask."""
-    seqs = [s.prompt_token_ids + s.token_ids for s in samples]
-    length = max(map(len, seqs))
-    ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), length)
-    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, len(s.prompt_token_ids) : len(seq)] = 1
-    return TrainingBatch(input_ids=ids, response_mask=mask)
+from megatron_rl.data.batch import TrainingBatch
 
 
 def engine_token_logprobs(engine, batch: TrainingBatch) -> torch.Tensor:

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.hf_mapping import expected_hf_shapes
-from megatron_rl.workers.megatron_model import export_hf_tensors
+from megatron_rl.models.hf_mapping import expected_hf_shapes, export_hf_tensors
 
 
 @dataclass(frozen=True)

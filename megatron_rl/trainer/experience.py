@@ -19,58 +19,17 @@ from megatron_rl.algorithms.advantages import (
     get_adv_estimator,
 )
 from megatron_rl.algorithms.kl import kl_estimate
-from megatron_rl.algorithms.losses import explained_variance_of
-from megatron_rl.algorithms.masked import Moments, masked_mean
-from megatron_rl.rollout.parity import samples_to_batch
-from megatron_rl.workers.batch import TrainingBatch
-
-
-def engine_logprobs_of(samples, batch: TrainingBatch) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens, [B, S] aligned like the actor's."""
-    out = torch.zeros(batch.input_ids.shape)
-    for i, s in enumerate(samples):
-        start = len(s.prompt_token_ids)
-        out[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs)
-    return out
-
-
-def rated_to_batch(groups, pad_token_id: int) -> tuple[TrainingBatch, torch.Tensor]:
-    """(batch with `scores`, group index [B]) from a rollout's groups of `RatedSample`s."""
-    rated = [r for g in groups for r in g]
-    batch = samples_to_batch([r.sample for r in rated], pad_token_id)
-    scores = torch.tensor([r.reward for r in rated], dtype=torch.float32)
-    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-    return batch.with_fields(scores=scores), group_index
-
-
-def forward_microbatches(rows: int, micro_batch_size: int) -> int:
-    """Micro-batches for a forward-only pass: about `micro_batch_size` rows each, equal sizes
-    (the pipeline schedule needs one shape)."""
-    k = max(1, -(-rows // micro_batch_size))
-    while rows % k:
-        k += 1
-    return k
-
-
-def data_parallel_moments(m: Moments) -> Moments:
-    from megatron.core import parallel_state
-
-    t = m.as_tensor()
-    if parallel_state.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
-    return Moments.from_tensor(t)
-
-
-def data_parallel_explained_variance(
-    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
-) -> float:
-    """Explained variance of the critic's values [B, S] for the returns [B, S] over every
-    response token of the DP-global batch (the values before this step's update, as verl's
-    vf_explained_var)."""
-    return explained_variance_of(
-        data_parallel_moments(Moments.of(returns, response_mask)),
-        data_parallel_moments(Moments.of(returns - values, response_mask)),
-    ).item()
+from megatron_rl.algorithms.masked import masked_mean
+from megatron_rl.data.batch import (
+    TrainingBatch,
+    engine_logprobs_of,
+    forward_microbatches,
+    rated_to_batch,
+)
+from megatron_rl.parallel.collectives import (
+    data_parallel_explained_variance,
+    data_parallel_moments,
+)
 
 
 def compute_advantages(
@@ -138,22 +97,3 @@ def make_experience(
             values, returns, mask
         )
     return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics
-
-
-def mini_batches(
-    batch: TrainingBatch, size: int, generator: torch.Generator
-) -> list[TrainingBatch]:
-    """Shuffled mini-batches of `size` rows (PPO reuses a batch over several epochs)."""
-    order = torch.randperm(len(batch), generator=generator)
-    out = []
-    for start in range(0, len(batch) - size + 1, size):
-        idx = order[start : start + size]
-        out.append(
-            TrainingBatch(
-                **{
-                    f: (None if getattr(batch, f) is None else getattr(batch, f)[idx])
-                    for f in batch.__dataclass_fields__
-                }
-            )
-        )
-    return out

@@ -10,27 +10,6 @@ import time
 from pathlib import Path
 
 
-def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean of each key over the ranks that report it (`*_max`: the max, `*_min`: the min;
-    PP stages report different keys, TP ranks the same values). Every rank gets the result."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dict(metrics)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, metrics)
-    out = {}
-    for key in sorted({k for m in gathered for k in m}):
-        values = [float(m[key]) for m in gathered if key in m]
-        if key.endswith("_max"):
-            out[key] = max(values)
-        elif key.endswith("_min"):
-            out[key] = min(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
 class MetricsLogger:
     def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool):
         self.enabled = enabled

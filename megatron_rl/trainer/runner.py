@@ -19,7 +19,15 @@ import yaml
 
 from megatron_rl import platform
 from megatron_rl.config import TrainConfig, to_dict, validate_config
+from megatron_rl.data.batch import forward_microbatches, mini_batches, rated_to_batch
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.parallel.collectives import (
+    any_rank,
+    data_parallel_explained_variance,
+    data_parallel_min,
+    data_parallel_sum,
+    reduce_over_ranks,
+)
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.trainer.checkpoint import (
@@ -29,15 +37,8 @@ from megatron_rl.trainer.checkpoint import (
     role_state,
     set_rng_state,
 )
-from megatron_rl.trainer.experience import (
-    compute_advantages,
-    data_parallel_explained_variance,
-    forward_microbatches,
-    make_experience,
-    mini_batches,
-    rated_to_batch,
-)
-from megatron_rl.trainer.metrics import MetricsLogger, reduce_over_ranks
+from megatron_rl.trainer.experience import compute_advantages, make_experience
+from megatron_rl.trainer.metrics import MetricsLogger
 
 STAGES = {"value_pretrain": 1, "train": 2}
 
@@ -69,17 +70,6 @@ def nonfinite_streak(streak: int, records: list[dict], limit: int) -> int:
             f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
         )
     return streak
-
-
-def _dp_min(value: int) -> int:
-    from megatron.core import parallel_state
-
-    t = torch.tensor([value], dtype=torch.long)
-    if parallel_state.get_data_parallel_world_size() > 1:
-        torch.distributed.all_reduce(
-            t, op=torch.distributed.ReduceOp.MIN, group=parallel_state.get_data_parallel_group()
-        )
-    return int(t.item())
 
 
 def _mean_metrics(records: list[dict]) -> dict[str, float]:
@@ -177,9 +167,7 @@ class RLTrainer:
         self.stop_requested = True
 
     def stop_requested_anywhere(self) -> bool:
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.stop_requested)
 
     @property
     def dp_size(self) -> int:
@@ -205,7 +193,7 @@ class RLTrainer:
             c.rollout.rating,
             seed=request_seed(c.trainer.seed, STAGES[stage], step),
         )
-        groups = rollout.groups[: _dp_min(len(rollout.groups))]
+        groups = rollout.groups[: data_parallel_min(len(rollout.groups))]
         samples = [s for g in groups for s in g]
         metrics = dict(rollout.metrics)
         if samples:
@@ -347,10 +335,7 @@ class RLTrainer:
         counts = torch.tensor(
             [float((rewards > 0).sum()), float(rewards.sum()), float(len(rewards))]
         )
-        from megatron.core import parallel_state
-
-        if self.dp_size > 1:
-            torch.distributed.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        data_parallel_sum(counts)
         return {
             "eval/accuracy": (counts[0] / counts[2]).item(),
             "eval/reward_mean": (counts[1] / counts[2]).item(),

@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 
 from megatron_rl.algorithms.losses import clipped_value_loss
+from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.platform import ParallelLayout
-from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import ValueLossConfig
-from megatron_rl.workers.megatron_model import OptimConfig, TrainableRole, shift_to_tokens
+from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.roles import TrainableRole
 
 
 def token_values(head_output: torch.Tensor) -> torch.Tensor:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.algorithms.kl import KLEstimator
-from megatron_rl.algorithms.losses import LOSS_AGGREGATIONS, LossAggregation
+from megatron_rl.algorithms.losses import LOSS_AGGREGATIONS, LossAggregation, get_policy_loss_fn
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """A registered policy loss (`algorithms.losses.POLICY_LOSSES`, verl's names)."""
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
     """Clip-higher (DAPO/VAPO); set equal to clip_eps_low for symmetric PPO."""
@@ -24,6 +26,7 @@ class PolicyLossConfig:
     kl_estimator: KLEstimator = "k3"
 
     def __post_init__(self) -> None:
+        get_policy_loss_fn(self.loss_mode)  # refuses an unknown name, naming the known ones
         if self.loss_agg_mode not in LOSS_AGGREGATIONS:
             raise ValueError(
                 f"loss_agg_mode {self.loss_agg_mode!r} is not one of {LOSS_AGGREGATIONS}"

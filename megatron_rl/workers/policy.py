@@ -14,23 +14,19 @@ import torch
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.losses import (
     aggregate_loss,
+    get_policy_loss_fn,
     positive_sample_nll_loss,
-    ppo_policy_loss,
     token_mean,
 )
+from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_rl.platform import ParallelLayout
-from megatron_rl.workers.batch import TrainingBatch
 from megatron_rl.workers.losses_config import PolicyLossConfig
-from megatron_rl.workers.megatron_model import (
-    MegatronRole,
-    OptimConfig,
-    TrainableRole,
-    shift_to_tokens,
-)
+from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.roles import MegatronRole, TrainableRole
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -97,17 +93,8 @@ class Actor(_LogProbs, TrainableRole):
         tokens, seqs, positive = counts
         mask = mb.response_mask
         logprobs = token_logprobs(logits, mb.input_ids, self.arch.vocab_size)
-        pg_loss, metrics = ppo_policy_loss(
-            logprobs,
-            mb.old_logprobs,
-            mb.advantages,
-            mask,
-            clip_eps_low=cfg.clip_eps_low,
-            clip_eps_high=cfg.clip_eps_high,
-            dual_clip_c=cfg.dual_clip_c,
-            loss_agg_mode=cfg.loss_agg_mode,
-            global_token_count=tokens,
-            global_seq_count=seqs,
+        pg_loss, metrics = get_policy_loss_fn(cfg.loss_mode)(
+            logprobs, mb.old_logprobs, mb.advantages, mask, cfg, tokens, seqs
         )
         loss = pg_loss
         metrics["pg_loss"] = pg_loss

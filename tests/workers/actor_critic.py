@@ -12,11 +12,11 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl import platform
+from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.workers.batch import TrainingBatch
+from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
-from megatron_rl.workers.megatron_model import export_hf_tensors
 from megatron_rl.workers.policy import Actor
 
 # name -> (layout, micro-batches per DP rank)

@@ -8,9 +8,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
-from megatron_rl.workers.megatron_model import OptimConfig, export_hf_tensors
+from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor, ReferencePolicy
 from tests.workers.actor_critic import global_batch
 

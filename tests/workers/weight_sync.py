@@ -11,12 +11,13 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl import platform
+from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap, samples_to_batch
+from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
 from megatron_rl.workers.losses_config import PolicyLossConfig
-from megatron_rl.workers.megatron_model import OptimConfig
+from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 
 LAYOUTS = {

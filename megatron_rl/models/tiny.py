@@ -1,6 +1,6 @@
 """Write a tiny random-initialised Qwen2 (or Llama) checkpoint in Hugging Face format.
 
-    python -m tools.make_tiny_model --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
+    python -m megatron_rl.models.tiny --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
         --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
 
 The checkpoint is the shared fixture of the tests: safetensors weights, config.json, a
@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# Llama-3's header/eot format: a reward model of another family than the actor (seeds/001).
+# Llama-3's header/eot format: a reward model of another family than the actor.
 LLAMA3_CHAT_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}"
     "{% for message in messages %}"

@@ -1,4 +1,5 @@
-"""The batch the Megatron roles consume.
+"""The rollout -> training batch: its dataclass, building it from the engine's samples, and
+splitting it into mini- and micro-batches. Everything that moves a batch imports it from here.
 
 Sequences are prompt + response, right-padded to one length S. Every per-token tensor is
 [B, S] and aligned to tokens: entry t concerns token t (its log-prob given tokens < t, the
@@ -94,3 +95,59 @@ class TrainingBatch:
             )
         size = len(self) // num_microbatches
         return [self.rows(slice(i * size, (i + 1) * size)) for i in range(num_microbatches)]
+
+
+def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] values computed at positions 0..S-2 about tokens 1..S-1 -> [B, S] aligned to
+    tokens (entry 0, the first prompt token, is 0)."""
+    return torch.nn.functional.pad(per_position, (1, 0))
+
+
+def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
+    """Engine samples (`rollout.vllm_engine.Sample`: `prompt_token_ids`, `token_ids`) ->
+    right-padded [B, S] prompt+response batch with a response mask."""
+    seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+    length = max(map(len, seqs))
+    ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length)
+    for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, len(s.prompt_token_ids) : len(seq)] = 1
+    return TrainingBatch(input_ids=ids, response_mask=mask)
+
+
+def rated_to_batch(groups, pad_token_id: int) -> tuple[TrainingBatch, torch.Tensor]:
+    """(batch with `scores`, group index [B]) from a rollout's groups of `RatedSample`s."""
+    rated = [r for g in groups for r in g]
+    batch = samples_to_batch([r.sample for r in rated], pad_token_id)
+    scores = torch.tensor([r.reward for r in rated], dtype=torch.float32)
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    return batch.with_fields(scores=scores), group_index
+
+
+def engine_logprobs_of(samples, batch: TrainingBatch) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens, [B, S] aligned like the actor's."""
+    out = torch.zeros(batch.input_ids.shape)
+    for i, s in enumerate(samples):
+        start = len(s.prompt_token_ids)
+        out[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs)
+    return out
+
+
+def mini_batches(
+    batch: TrainingBatch, size: int, generator: torch.Generator
+) -> list[TrainingBatch]:
+    """Shuffled mini-batches of `size` rows (PPO reuses a batch over several epochs)."""
+    order = torch.randperm(len(batch), generator=generator)
+    return [
+        batch.rows(order[start : start + size]) for start in range(0, len(batch) - size + 1, size)
+    ]
+
+
+def forward_microbatches(rows: int, micro_batch_size: int) -> int:
+    """Micro-batches for a forward-only pass: about `micro_batch_size` rows each, equal sizes
+    (the pipeline schedule needs one shape)."""
+    k = max(1, -(-rows // micro_batch_size))
+    while rows % k:
+        k += 1
+    return k

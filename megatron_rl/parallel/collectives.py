@@ -1,0 +1,95 @@
+"""Every collective the algorithms need, written once.
+
+Token-level losses, whitening and explained variance are statistics of the DP-global batch:
+each data-parallel rank holds some rows, so counts, sums and moments are all-reduced over the
+data-parallel group (identity with one DP rank); metrics are reduced over every rank; a stop
+request on any rank stops all of them. No other module all-reduces for these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
+from megatron_rl.algorithms.masked import Moments
+
+
+def _data_parallel_group():
+    from megatron.core import parallel_state
+
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_data_parallel_group()
+
+
+def data_parallel_sum(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (SUM, in place) over the data-parallel group; returns `t`."""
+    group = _data_parallel_group()
+    if group is not None:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+def data_parallel_min(value: int) -> int:
+    """The smallest `value` over the data-parallel ranks."""
+    t = torch.tensor([value], dtype=torch.long)
+    group = _data_parallel_group()
+    if group is not None:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def global_token_counts(response_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+    """[3] float64, the same on every DP rank: valid tokens, non-empty sequences and
+    positive-sample tokens of the DP-global batch, what token-level losses divide by.
+
+    response_mask: [B, S] this rank's rows; scores: [B] outcome rewards or None."""
+    positive = torch.zeros((), dtype=torch.float64)
+    if scores is not None:
+        positive = (response_mask.bool() & (scores > 0)[:, None]).sum().double()
+    return data_parallel_sum(torch.cat([token_and_sequence_counts(response_mask), positive[None]]))
+
+
+def data_parallel_moments(m: Moments) -> Moments:
+    """Count, sum and sum of squares over every DP rank's rows (global whitening)."""
+    return Moments.from_tensor(data_parallel_sum(m.as_tensor()))
+
+
+def data_parallel_explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> float:
+    """Explained variance of the critic's values [B, S] for the returns [B, S] over every
+    response token of the DP-global batch (the values before this step's update, as verl's
+    vf_explained_var): one statistic, not a mean of per-rank or per-micro-batch ones."""
+    return explained_variance_of(
+        data_parallel_moments(Moments.of(returns, response_mask)),
+        data_parallel_moments(Moments.of(returns - values, response_mask)),
+    ).item()
+
+
+def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Mean of each key over the ranks that report it (`*_max`: the max, `*_min`: the min;
+    PP stages report different keys, TP ranks the same values). Every rank gets the result."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(metrics)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, metrics)
+    out = {}
+    for key in sorted({k for m in gathered for k in m}):
+        values = [float(m[key]) for m in gathered if key in m]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.endswith("_min"):
+            out[key] = min(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank of the world."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())

@@ -1,0 +1,132 @@
+"""What every Megatron role shares: forward-only evaluation of a batch over its model chunks
+(`MegatronRole`), and for trainable roles the DDP + optimizer step with token-level
+normalisation over micro-batches and data-parallel ranks (`TrainableRole`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
+from megatron_rl.parallel.collectives import data_parallel_sum, global_token_counts
+from megatron_rl.platform import ParallelLayout
+from megatron_rl.workers.optimizer import OptimConfig, wrap_ddp_and_optimizer
+from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
+
+BATCH_SHARES = frozenset({
+    "pg_loss", "nll_loss", "kl_loss", "value_loss",
+    "entropy", "ppo_kl", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high",
+    "pg_clipfrac_lower", "vf_clipfrac",
+})  # fmt: skip
+"""Metrics a loss function returns as one micro-batch's share of a statistic normalised over
+the whole DP-global mini-batch (global token or sequence counts): the losses, and token means
+(`algorithms.losses.token_mean`). Summed over micro-batches and DP ranks they are the
+mini-batch's loss or mean, the numbers verl and OpenRLHF log."""
+
+
+class MegatronRole:
+    """Model chunks of one role plus forward-only evaluation over a batch."""
+
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        layout: ParallelLayout,
+        chunks: list,
+        precision: PrecisionConfig | None = None,
+    ):
+        self.arch, self.layout, self.chunks = arch, layout, chunks
+        self.seq_multiple = sequence_multiple(layout, precision)
+
+    @torch.no_grad()
+    def forward_collect(
+        self, batch: TrainingBatch, num_microbatches: int, collect: Callable
+    ) -> torch.Tensor:
+        """`collect(mb, output) -> [b, S']` on each micro-batch; [B, S] on every PP rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        padded = batch.padded_to_multiple(self.seq_multiple)
+        parts = run_schedule(
+            self.chunks,
+            padded.split(num_microbatches),
+            collect,
+            forward_only=True,
+            collect_outputs=True,
+        )
+        out = broadcast_from_last_stage(parts, padded.input_ids.shape, torch.float32)
+        return out[:, : batch.seq_length]
+
+
+class TrainableRole(MegatronRole):
+    """A role with DDP-wrapped chunks and an optimizer; subclasses define `loss`.
+
+    Token-level normalisation across micro-batches and DP ranks: the global counts of the
+    whole mini-batch are all-reduced over DP once (`counts`), each micro-batch's loss terms
+    divide by them, and the total is multiplied by num_microbatches * dp_size, which
+    megatron's average over micro-batches and DDP's average over ranks cancel. The gradient
+    is then exactly that of the global batch, however it is split.
+    """
+
+    def __init__(self, arch, layout, chunks, precision=None, optim: OptimConfig | None = None):
+        wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, optim or OptimConfig())
+        super().__init__(arch, layout, wrapped, precision)
+
+    def loss(self, cfg, counts: torch.Tensor, mb: TrainingBatch, output):
+        """(loss normalised by the global `counts`, metrics) for one micro-batch."""
+        raise NotImplementedError
+
+    def _scaled_loss(self, cfg, counts, scale, mb, output):
+        loss, metrics = self.loss(cfg, counts, mb, output)
+        # megatron divides the returned loss in place; metrics must not share its storage.
+        return loss * scale, {k: v.detach().clone() for k, v in metrics.items()}
+
+    def compute_gradients(
+        self, batch: TrainingBatch, cfg, num_microbatches: int = 1
+    ) -> dict[str, float]:
+        """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
+        main_grad (reduced over DP, and over TP for sequence-parallel norms). Returns the
+        metrics on the last pipeline stage ({} elsewhere): the BATCH_SHARES of the
+        whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches."""
+        from megatron.core import parallel_state
+
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        counts = global_token_counts(batch.response_mask, batch.scores)
+        scale = num_microbatches * parallel_state.get_data_parallel_world_size()
+        metrics = run_schedule(
+            self.chunks,
+            batch.padded_to_multiple(self.seq_multiple).split(num_microbatches),
+            partial(self._scaled_loss, cfg, counts, scale),
+            forward_only=False,
+        )
+        if not metrics:
+            return {}
+        out = {k: torch.stack([m[k] for m in metrics]).double() for k in metrics[0]}
+        shares = [k for k in out if k in BATCH_SHARES]
+        if shares:  # every rank of a DP group is the same pipeline stage: all call this
+            totals = data_parallel_sum(torch.stack([out[k].sum() for k in shares]))
+            out.update(zip(shares, totals, strict=True))
+        return {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
+
+    def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
+        """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
+        metrics = self.compute_gradients(batch, cfg, num_microbatches)
+        # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
+        # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
+        self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad, what the norm reads
+        norm = float(self.optimizer.get_grad_norm())
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad()
+            metrics.update(grad_norm=norm, update_ok=False, skipped_nonfinite=1.0)
+            return metrics
+        ok, grad_norm, _ = self.optimizer.step()
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else norm
+        metrics["update_ok"] = bool(ok)
+        metrics["skipped_nonfinite"] = 0.0
+        return metrics

@@ -1,0 +1,72 @@
+"""Megatron's pipeline schedule around a role's model chunks.
+
+Dataflow of one `run_schedule` call: the caller's micro-batches are fed to megatron's
+`get_forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B); every PP stage reads
+the same micro-batch iterator; only the last stage produces outputs and calls `loss_fn`;
+outputs of a forward-only pass are broadcast from the last stage so every rank of the PP
+group returns the same tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from megatron_rl.data.batch import TrainingBatch
+
+
+def run_schedule(
+    chunks: list,
+    micro_batches: list[TrainingBatch],
+    loss_fn: Callable,
+    *,
+    forward_only: bool,
+    collect_outputs: bool = False,
+) -> list:
+    """Run megatron's pipeline schedule over `micro_batches`.
+
+    Training: `loss_fn(mb, output) -> (loss, metrics)`, returns the metrics of each
+    micro-batch (last stage only). Collecting (`collect_outputs=True`, forward only):
+    `loss_fn(mb, output) -> tensor`, returns those tensors (last stage only).
+    `output` is the last stage's model output: logits [b, s, V/tp] or values [b, s, 1].
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[TrainingBatch], model):
+        mb = next(data_iterator)
+        output = model(mb.input_ids, mb.position_ids, None)
+
+        def loss_func(output_tensor, non_loss_data=False):
+            return loss_fn(mb, output_tensor)
+
+        return output, loss_func
+
+    iterators = [iter(micro_batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=micro_batches[0].seq_length,
+        micro_batch_size=len(micro_batches[0]),
+        forward_only=forward_only,
+        collect_non_loss_data=collect_outputs,
+    )
+
+
+def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """Concatenate the last stage's per-micro-batch outputs and share them over the PP group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.is_pipeline_last_stage():
+        out = torch.cat(parts).to(dtype)
+    else:
+        out = torch.empty(shape, dtype=dtype)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            out,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return out
