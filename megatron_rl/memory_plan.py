@@ -18,7 +18,7 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
     repeated to all heads and the context (4q); the softmax (a*s per token); fc1 output (2f)
     and three f-sized tensors of the SwiGLU; per layer the fp32 RoPE tables and the causal
     mask. Within 1% of saved-tensor hooks on a real actor (`tools/plan_memory.py
-    --check-cpu`, tests/test_memory_check_distributed.py).
+    --check-cpu`, tests/tools/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
 always. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
 interleaved schedule L * (1 + (PP-1)/(PP*VPP)) layers' worth. Full recompute keeps each

@@ -53,7 +53,7 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(arch, platform.ParallelLayout(), tiny_model_dir, precision=bf16)
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
-    from tests.workers.actor_critic import global_batch
+    from tests.torchrun.actor_critic import global_batch
 
     batch = global_batch(arch.vocab_size)
     batch = batch.with_fields(
@@ -88,7 +88,7 @@ def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
     platform.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
     actor = Actor(arch, layout, tiny_model_dir, precision=fp8)
-    from tests.workers.actor_critic import global_batch
+    from tests.torchrun.actor_critic import global_batch
 
     batch = global_batch(arch.vocab_size)  # S=23: padded to 16-multiples by the actor
     batch = batch.with_fields(
@@ -104,7 +104,7 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     Step, save, step again; a fresh actor loaded from the save takes the same second step."""
     from megatron_rl.trainer.checkpoint import load_role_state, role_state
     from megatron_rl.workers.optimizer import OptimConfig
-    from tests.workers.actor_critic import global_batch
+    from tests.torchrun.actor_critic import global_batch
 
     arch = ModelArchitecture.from_hf_config(tiny_model_dir)
     layout = platform.ParallelLayout()

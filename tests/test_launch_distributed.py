@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed
 
 def test_failing_rank_traceback_is_reported():
     with pytest.raises(TorchrunError) as e:
-        run_torchrun("tests.workers.misbehave", ["--mode", "fail-rank-1"], timeout=120)
+        run_torchrun("tests.torchrun.misbehave", ["--mode", "fail-rank-1"], timeout=120)
     message = str(e.value)
     assert "deliberate failure on rank 1" in message
     assert "Traceback" in message and "rank      : 1" in message
@@ -19,8 +19,8 @@ def test_failing_rank_traceback_is_reported():
 
 def test_hung_job_is_killed_at_the_timeout():
     with pytest.raises(TorchrunError, match="timed out after 15s"):
-        run_torchrun("tests.workers.misbehave", ["--mode", "hang"], timeout=15)
+        run_torchrun("tests.torchrun.misbehave", ["--mode", "hang"], timeout=15)
     leftover = subprocess.run(
-        ["pgrep", "-f", "tests.workers.misbehave --mode hang"], capture_output=True, text=True
+        ["pgrep", "-f", "tests.torchrun.misbehave --mode hang"], capture_output=True, text=True
     )
     assert leftover.stdout.strip() == "", "a worker outlived the timeout"

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def tp_result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "result.pt"
-    run_torchrun("tests.workers.tp_logits", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
+    run_torchrun("tests.torchrun.tp_logits", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
     return torch.load(out)
 
 
@@ -46,7 +46,7 @@ def test_tp2_backward_reaches_every_parameter(tp_result):
 @pytest.fixture(scope="module")
 def pp_ranks(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp")
-    run_torchrun("tests.workers.pp_loss", ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out)])
+    run_torchrun("tests.torchrun.pp_loss", ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out)])
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

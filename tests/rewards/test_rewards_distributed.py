@@ -14,11 +14,11 @@ pytestmark = pytest.mark.distributed
 
 
 def test_megatron_reward_model_matches_hf(llama_rm_dir, tmp_path):
-    from tests.workers.megatron_rm import inputs
+    from tests.torchrun.megatron_rm import inputs
 
     out = tmp_path / "scores.json"
     run_torchrun(
-        "tests.workers.megatron_rm", ["--rm-dir", str(llama_rm_dir), "--out", str(out)], nproc=2
+        "tests.torchrun.megatron_rm", ["--rm-dir", str(llama_rm_dir), "--out", str(out)], nproc=2
     )
     got = json.loads(out.read_text())
     assert got["errors"] == {"reward_model": [None] * 6}

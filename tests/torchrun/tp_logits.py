@@ -14,7 +14,7 @@ from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
-from tests.workers.common import fixed_tokens, gather_vocab, position_ids
+from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
 
 
 def logits_under(layout, arch, hf_dir, tokens, backward):

@@ -38,8 +38,8 @@ def merge(out_dir, name):
 def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     args = ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out), "--layouts"]
-    run_torchrun("tests.workers.actor_critic", [*args, "dp1-mb1,dp1-mb4"], nproc=1)
-    run_torchrun("tests.workers.actor_critic", [*args, "dp2-mb2,tp2,tp2-sp,pp2"], nproc=2)
+    run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1,dp1-mb4"], nproc=1)
+    run_torchrun("tests.torchrun.actor_critic", [*args, "dp2-mb2,tp2,tp2-sp,pp2"], nproc=2)
     return {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS]}
 
 
@@ -90,7 +90,7 @@ def test_logprobs_and_values_do_not_depend_on_the_layout(results, layout):
 
 
 def test_logprobs_equal_hugging_face(results, tiny_model_dir):
-    from tests.workers.actor_critic import global_batch
+    from tests.torchrun.actor_critic import global_batch
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     ids = global_batch(hf.config.vocab_size).input_ids
@@ -105,7 +105,7 @@ def test_logprobs_equal_hugging_face(results, tiny_model_dir):
 
 def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_model_dir, tmp_path):
     out = tmp_path / "step.pt"
-    run_torchrun("tests.workers.actor_step", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
+    run_torchrun("tests.torchrun.actor_step", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
     s = torch.load(out)
     assert s["initial_logprob_gap"] == 0.0  # actor and reference start from the same weights
     assert s["actor_params"] == s["critic_params"] == 51

@@ -1,6 +1,6 @@
 """Learning regression: the demo's recipe must still learn. One stored seed, the demo's
 warm start, 10 PPO steps (2 CPU ranks, real vLLM); held-out accuracy must gain the margin
-and stay within a band of the stored reference curve (tests/data/learning_reference.json),
+and stay within a band of the stored reference curve (tests/trainer/learning_reference.json),
 wide enough for other CPUs' kernels and thread counts, narrow enough to catch a change that
 slows learning down."""
 
@@ -13,7 +13,7 @@ from megatron_rl.demo import read_curves, run_rl, warm_start
 
 pytestmark = pytest.mark.distributed
 
-REFERENCE = Path(__file__).parent / "data" / "learning_reference.json"
+REFERENCE = Path(__file__).parent / "learning_reference.json"
 
 
 def test_vapo_recipe_learns_the_demo_task_like_the_reference(tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks, layer_offset
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
-from tests.workers.common import fixed_tokens, position_ids
+from tests.torchrun.common import fixed_tokens, position_ids
 
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 4, 2, 16
 

@@ -14,7 +14,7 @@ from megatron_rl.algorithms import (
     positive_sample_nll_loss,
     ppo_policy_loss,
 )
-from tests.test_algorithms_unit import random_batch, random_policy_batch
+from tests.algorithms.test_algorithms_unit import random_batch, random_policy_batch
 
 LOSS_MODES = st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 

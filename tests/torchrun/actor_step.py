@@ -13,7 +13,7 @@ from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor, ReferencePolicy
-from tests.workers.actor_critic import global_batch
+from tests.torchrun.actor_critic import global_batch
 
 
 def snapshot(chunks, arch):

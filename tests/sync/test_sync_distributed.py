@@ -31,7 +31,7 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
         "--bucket-mb",
         str(bucket_mb),
     ]
-    run_torchrun("tests.workers.weight_sync", args, nproc=2, timeout=400)
+    run_torchrun("tests.torchrun.weight_sync", args, nproc=2, timeout=400)
     r = torch.load(out)
     assert r["response_tokens"] > 10
     assert r["gap_before_sync"] <= 1e-4  # same HF weights in both at the start
