@@ -35,6 +35,14 @@ from megatron_rl.workers.optimizer import OptimConfig
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
+def check_at_least(section, **minimum_and_value) -> None:
+    """Refuse a field below its minimum, naming it: `check_at_least(self, keep_last=1)`."""
+    for name, low in minimum_and_value.items():
+        value = getattr(section, name)
+        if value < low:
+            raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
@@ -63,6 +71,9 @@ class RolloutConfig:
     cpu_kv_cache_space_gib: int = 1
     rating: RatingConfig = field(default_factory=RatingConfig)
 
+    def __post_init__(self) -> None:
+        check_at_least(self, rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=1)
+
 
 @dataclass(frozen=True)
 class ActorConfig:
@@ -73,6 +84,9 @@ class ActorConfig:
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank."""
     ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        check_at_least(self, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
 
 
 @dataclass(frozen=True)
@@ -107,8 +121,13 @@ class TrainerConfig:
     save_interval: int = 0
     """Save every N steps (0: only at the end and on SIGTERM/SIGUSR1)."""
     keep_last: int = 2
+    """Checkpoints kept (>= 1); the one `latest` names is never removed."""
     resume: bool = True
-    """Continue from the newest complete checkpoint in output_dir, if any."""
+    """Continue from the newest complete checkpoint in output_dir, if any (a corrupt one is
+    named and the previous complete one is used)."""
+    overwrite: bool = False
+    """With resume: false, clear the checkpoints and metrics an earlier run left in
+    output_dir; without it such an output_dir is refused (nothing is ever mixed)."""
     max_nonfinite_in_a_row: int = 3
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
     tensorboard: bool = True
@@ -117,6 +136,14 @@ class TrainerConfig:
     """Held-out prompts (same fields as data): greedy accuracy before training, every
     eval_interval steps and at the end (metrics eval/accuracy, eval/reward_mean)."""
     eval_interval: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least(
+            self, total_steps=0, save_interval=0, keep_last=1, eval_interval=0,
+            max_nonfinite_in_a_row=1,
+        )  # fmt: skip
+        if self.overwrite and self.resume:
+            raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
 
 
 @dataclass(frozen=True)

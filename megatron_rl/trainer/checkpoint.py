@@ -6,8 +6,11 @@
 
 All ranks write into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N` and then
 updates `latest` (temp file + os.replace), so a directory named step_N is always complete
-and a crash leaves at most a `.tmp` directory, which the next save removes. Resuming needs
-the same world size and layout (per-rank shards); the HF converters reshard weights.
+and a crash leaves at most a `.tmp` directory, which the next save removes. Pruning keeps the
+newest `keep_last` checkpoints up to the one just saved (never that one, never a later one).
+A checkpoint a rank cannot read is named (file and rank), moved aside to `.step_N.corrupt`,
+and the previous complete one is used. Resuming needs the same world size and layout
+(per-rank shards); the HF converters reshard weights.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -107,17 +111,83 @@ def load_role_state(role, state: dict | None, name: str, path: Path) -> None:
     load_optimizer_shards(role.optimizer, state.get("optimizer_shards", []), path)
 
 
+class CorruptCheckpoint(RuntimeError):
+    """A rank file of a complete checkpoint cannot be read (truncated, missing, not torch)."""
+
+
+STEP_DIR = re.compile(r"step_\d+")
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def previous_run_files(output_dir: str | Path) -> list[Path]:
+    """What an earlier run left in `output_dir` that a new run would mix with its own."""
+    out = Path(output_dir)
+    found = [out / "metrics.jsonl"] if (out / "metrics.jsonl").exists() else []
+    root = out / "checkpoints"
+    if root.is_dir():
+        found += sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
+    return found
+
+
+def clear_previous_run(output_dir: str | Path) -> None:
+    """`trainer.overwrite`: remove the checkpoints, metrics and TensorBoard logs of a run."""
+    out = Path(output_dir)
+    for d in (out / "checkpoints", out / "tensorboard"):
+        shutil.rmtree(d, ignore_errors=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+
+
 class CheckpointManager:
     def __init__(self, output_dir: str | Path, rank: int, world_size: int, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(output_dir) / "checkpoints"
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
 
+    def complete(self) -> list[Path]:
+        """Complete checkpoints (renamed from .tmp, trainer state written), oldest first."""
+        if not self.root.is_dir():
+            return []
+        done = [
+            p
+            for p in self.root.iterdir()
+            if STEP_DIR.fullmatch(p.name) and (p / "trainer_state.json").exists()
+        ]
+        return sorted(done, key=checkpoint_step)
+
     def latest(self) -> Path | None:
+        """The checkpoint `latest` names, else (a pointer to a missing or incomplete one,
+        or none) the newest complete one, with a warning."""
         pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / "trainer_state.json").exists() else None
+        complete = self.complete()
+        if pointer.exists():
+            path = self.root / pointer.read_text().strip()
+            if path in complete:
+                return path
+            if self.rank == 0:
+                newest = complete[-1] if complete else None
+                print(
+                    f"warning: {pointer} names {path.name}, which is not a complete "
+                    f"checkpoint; using {newest or 'none (a fresh start)'}",
+                    flush=True,
+                )
+        return complete[-1] if complete else None
+
+    def previous(self, path: Path) -> Path | None:
+        """The newest complete checkpoint older than `path`."""
+        older = [p for p in self.complete() if checkpoint_step(p) < checkpoint_step(path)]
+        return older[-1] if older else None
+
+    def set_aside(self, path: Path) -> Path:
+        """Rank 0: move a corrupt checkpoint out of the way (kept for inspection)."""
+        aside = path.with_name(f".{path.name}.corrupt")
+        if aside.exists():
+            shutil.rmtree(aside)
+        path.rename(aside)
+        return aside
 
     def save(self, step: int, rank_state: dict, trainer_state: dict, config_yaml: str) -> Path:
         name = f"step_{step:06d}"
@@ -141,13 +211,15 @@ class CheckpointManager:
             pointer = self.root / ".latest.tmp"
             pointer.write_text(name)
             os.replace(pointer, self.root / "latest")
-            self._prune()
+            self._prune(final)
         torch.distributed.barrier()
         return final
 
-    def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in done[: max(0, len(done) - self.keep_last)]:
+    def _prune(self, saved: Path) -> None:
+        """Keep the newest `keep_last` checkpoints up to `saved` (which `latest` names);
+        a later one is not this run's lineage and is left alone."""
+        mine = [p for p in self.complete() if checkpoint_step(p) <= checkpoint_step(saved)]
+        for old in mine[: max(0, len(mine) - self.keep_last)]:
             shutil.rmtree(old)
 
     def load(self, path: Path) -> tuple[dict, dict]:
@@ -160,6 +232,10 @@ class CheckpointManager:
                 "checkpoints_convert and start a new run)"
             )
         rank_file = path / f"rank_{self.rank:05d}.pt"
-        if not rank_file.exists():
-            raise FileNotFoundError(f"checkpoint {path}: missing {rank_file.name}")
-        return torch.load(rank_file, weights_only=False), trainer_state
+        try:
+            return torch.load(rank_file, weights_only=False), trainer_state
+        except Exception as e:  # truncated, missing, not a torch file: all mean unreadable
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: {rank_file.name} (rank {self.rank}) cannot be read: "
+                f"{type(e).__name__}: {e}"
+            ) from e

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
+
+
+def row_position(record: dict) -> tuple[int, float]:
+    """Where a metrics.jsonl row was logged in a run: value pretraining steps, then PPO steps;
+    the separate step-0 evaluation row comes after the checkpoint that ends value pretraining
+    (a resume at step 0 runs it again)."""
+    if record["stage"] == "value_pretrain":
+        return (0, record["step"])
+    return (1, record["step"] + (0.5 if record["stage"] == "eval" else 0.0))
 
 
 class MetricsLogger:
@@ -68,6 +78,22 @@ class MetricsLogger:
             file=sys.stdout,
             flush=True,
         )
+
+    def rewind(self, position: tuple[int, float]) -> int:
+        """On resume: drop the rows logged after the checkpoint at `position` (the run redoes
+        those steps, so each step keeps one row). Returns how many were dropped."""
+        if not self.enabled:
+            return 0
+        self.file.close()
+        path = self.dir / "metrics.jsonl"
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if ln.strip() and row_position(json.loads(ln)) <= position]
+        if len(kept) != len(lines):
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
+        return len(lines) - len(kept)
 
     def close(self) -> None:
         if self.enabled:

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from megatron_rl import platform
-from megatron_rl.config import TrainConfig, to_dict, validate_config
+from megatron_rl.config import ConfigError, TrainConfig, to_dict, validate_config
 from megatron_rl.data.batch import forward_microbatches, mini_batches, rated_to_batch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.parallel.collectives import (
@@ -32,7 +32,10 @@ from megatron_rl.rollout.rating import generate_samples_with_rating, request_see
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.trainer.checkpoint import (
     CheckpointManager,
+    CorruptCheckpoint,
+    clear_previous_run,
     load_role_state,
+    previous_run_files,
     rng_state,
     role_state,
     set_rng_state,
@@ -92,6 +95,14 @@ class RLTrainer:
 
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         validate_config(config, world_size)  # before any process group or model
+        leftovers = previous_run_files(config.trainer.output_dir)
+        if leftovers and not (config.trainer.resume or config.trainer.overwrite):
+            shown = ", ".join(str(p) for p in leftovers[:3]) + (" ..." * (len(leftovers) > 3))
+            raise ConfigError(
+                f"trainer.output_dir {config.trainer.output_dir} holds an earlier run ({shown}) "
+                "and trainer.resume is false: set trainer.overwrite=true to replace it, "
+                "trainer.resume=true to continue it, or choose another output_dir"
+            )
         self.config = config
         c, t = config, config.trainer
         layout = c.parallel
@@ -99,6 +110,9 @@ class RLTrainer:
         self.ctx = platform.initialize(
             layout, arch=arch, seed=t.seed, deterministic=t.deterministic
         )
+        if t.overwrite and self.ctx.rank == 0:
+            clear_previous_run(t.output_dir)
+        torch.distributed.barrier()
         self.tokenizer = AutoTokenizer.from_pretrained(c.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
@@ -149,8 +163,8 @@ class RLTrainer:
         self.stop_requested = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
-        if t.resume and (latest := self.checkpoints.latest()) is not None:
-            self.resume(latest)
+        if t.resume:
+            self.resume_from_newest()
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -362,10 +376,34 @@ class RLTrainer:
         if self.ctx.rank == 0:
             print(f"saved checkpoint {path}", flush=True)
 
-    def resume(self, path) -> None:
+    def resume_from_newest(self) -> None:
+        """Resume from `latest`; a checkpoint some rank cannot read is named by that rank,
+        moved aside, and the previous complete one is tried (all ranks agree on each)."""
+        path = self.checkpoints.latest()
+        while path is not None:
+            error = None
+            try:
+                state, trainer_state = self.checkpoints.load(path)
+            except CorruptCheckpoint as e:
+                error = e
+                print(f"warning: {e}", flush=True)
+            if not any_rank(error is not None):
+                return self.resume(path, state, trainer_state)
+            previous = self.checkpoints.previous(path)
+            torch.distributed.barrier()
+            if self.ctx.rank == 0:
+                aside = self.checkpoints.set_aside(path)
+                print(
+                    f"warning: checkpoint {path} is unreadable (moved to {aside.name}); "
+                    f"resuming from {previous or 'nothing: a fresh start'}",
+                    flush=True,
+                )
+            torch.distributed.barrier()
+            path = previous
+
+    def resume(self, path, state: dict, trainer_state: dict) -> None:
         from megatron_rl.sync.weight_sync import sync_weights
 
-        state, trainer_state = self.checkpoints.load(path)
         load_role_state(self.actor, state["actor"], "actor", path)
         load_role_state(self.critic, state["critic"], "critic", path)
         set_rng_state(state["rng"])
@@ -374,8 +412,14 @@ class RLTrainer:
         self.value_pretrain_step = trainer_state["value_pretrain_step"]
         self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
         sync_weights(self.actor, self.engine)  # the engine started from the HF weights
+        position = (1, self.step) if self.value_pretrain_done else (0, self.value_pretrain_step)
+        dropped = self.logger.rewind(position)
         if self.ctx.rank == 0:
-            print(f"resumed from {path} (step {self.step})", flush=True)
+            print(
+                f"resumed from {path} (step {self.step}); {dropped} metrics row(s) of the "
+                "steps it redoes dropped",
+                flush=True,
+            )
 
     def close(self) -> None:
         self.logger.close()

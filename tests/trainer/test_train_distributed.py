@@ -135,7 +135,6 @@ def test_resume_after_step_2_reproduces_steps_3_and_4(
     for late in ("step_000007", "step_000008"):
         shutil.rmtree(resumed / "checkpoints" / late)
     (resumed / "checkpoints" / "latest").write_text("step_000006")
-    (resumed / "metrics.jsonl").write_text("")
     saved = json.loads(
         (vapo_run / "checkpoints" / "step_000006" / "trainer_state.json").read_text()
     )
@@ -147,10 +146,39 @@ def test_resume_after_step_2_reproduces_steps_3_and_4(
     def comparable(r):
         return {k: v for k, v in r.items() if not k.startswith("timing/") and k != "tokens_per_s"}
 
-    expected = [comparable(r) for r in metrics(vapo_run)[2:]]
+    # The rows of steps 3 and 4 the copy holds are dropped and logged again: one per step.
+    expected = [comparable(r) for r in metrics(vapo_run)]
     got = [comparable(r) for r in metrics(resumed)]
-    assert got == expected
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == expected
+    assert len(metrics(resumed, "value_pretrain")) == 4
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
+
+
+def test_a_truncated_rank_file_is_named_and_the_previous_checkpoint_used(
+    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(vapo_run, resumed)
+    root = resumed / "checkpoints"
+    shard = root / "step_000008" / "rank_00001.pt"
+    shard.write_bytes(shard.read_bytes()[:1000])  # a save cut short by a full disk
+    result = train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
+    assert "step_000008: rank_00001.pt (rank 1) cannot be read" in result.output
+    assert f"resuming from {root / 'step_000007'}" in result.output
+    assert (root / ".step_000008.corrupt" / "rank_00001.pt").stat().st_size == 1000
+    # Step 4 is redone from step 3's checkpoint and matches the uninterrupted run.
+    assert (root / "latest").read_text() == "step_000008"
+    assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
+    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4]
+
+
+def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_model_dir, tmp_path):
+    reused = tmp_path / "reused"
+    shutil.copytree(vapo_run, reused)
+    overrides = [f"model.path={tiny_model_dir}", *SMALL_VAPO, "trainer.resume=false"]
+    with pytest.raises(RuntimeError, match=r"holds an earlier run .*trainer.overwrite=true"):
+        train("vapo", reused, *overrides, timeout=120)
+    assert (reused / "checkpoints" / "step_000008").is_dir()  # nothing touched
 
 
 @pytest.mark.parametrize(

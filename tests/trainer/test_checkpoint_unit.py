@@ -1,0 +1,131 @@
+"""Checkpoint directories that cannot be corrupted: pruning, `latest`, unreadable rank files,
+the metrics rows of a resumed run (one process, a world-size-1 gloo group)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.config import load_config
+from megatron_rl.trainer.checkpoint import (
+    CheckpointManager,
+    CorruptCheckpoint,
+    clear_previous_run,
+    previous_run_files,
+)
+from megatron_rl.trainer.metrics import MetricsLogger, row_position
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store") / "file"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def save(manager: CheckpointManager, step: int, value: float = 0.0):
+    return manager.save(step, {"w": torch.full((2,), value)}, {"step": step}, "config: {}\n")
+
+
+def names(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_pruning_keeps_the_newest_of_this_run_and_never_a_later_one(tmp_path):
+    # An earlier, longer run left step_000050 (complete): it is not this run's to prune, and
+    # the new checkpoints must survive (the old rule kept the highest-numbered ones).
+    earlier = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    save(earlier, 50)
+    manager = CheckpointManager(tmp_path, 0, 1, keep_last=2)
+    for step in (1, 2, 3):
+        save(manager, step)
+    root = tmp_path / "checkpoints"
+    assert names(root) == ["latest", "step_000002", "step_000003", "step_000050"]
+    assert (root / "latest").read_text() == "step_000003"
+
+
+def test_keep_last_below_one_is_refused_before_anything_is_deleted(tmp_path):
+    with pytest.raises(ValueError, match="keep_last must be >= 1, got 0"):
+        CheckpointManager(tmp_path, 0, 1, keep_last=0)
+    with pytest.raises(ValueError, match=r"config section trainer: keep_last must be >= 1, got -1"):
+        load_config("examples/tiny/vapo.yaml", ["trainer.keep_last=-1"])
+    for bad, message in [
+        ("actor.ppo_epochs=0", "ppo_epochs must be >= 1, got 0"),
+        ("trainer.total_steps=-3", "total_steps must be >= 0, got -3"),
+        ("rollout.rollout_batch_size=0", "rollout_batch_size must be >= 1, got 0"),
+        ("trainer.overwrite=true", "overwrite: true replaces an earlier run, so it needs resume"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_config("examples/tiny/vapo.yaml", [bad])
+
+
+def test_latest_naming_a_missing_checkpoint_falls_back_to_the_newest_complete(tmp_path, capsys):
+    manager = CheckpointManager(tmp_path, 0, 1, keep_last=5)
+    for step in (1, 2):
+        save(manager, step)
+    root = tmp_path / "checkpoints"
+    (root / ".step_000003.tmp").mkdir()  # a save cut short: never complete
+    (root / "latest").write_text("step_000009")
+    assert manager.latest() == root / "step_000002"
+    assert "names step_000009, which is not a complete checkpoint" in capsys.readouterr().out
+    (root / "latest").unlink()
+    assert manager.latest() == root / "step_000002"
+
+
+def test_an_unreadable_rank_file_is_named_and_set_aside(tmp_path):
+    manager = CheckpointManager(tmp_path, 0, 1, keep_last=5)
+    first, second = save(manager, 1, 1.0), save(manager, 2, 2.0)
+    shard = second / "rank_00000.pt"
+    shard.write_bytes(shard.read_bytes()[:20])
+    with pytest.raises(CorruptCheckpoint, match=r"step_000002: rank_00000.pt \(rank 0\) cannot"):
+        manager.load(second)
+    assert manager.previous(second) == first and manager.previous(first) is None
+    aside = manager.set_aside(second)
+    assert aside.name == ".step_000002.corrupt" and (aside / "rank_00000.pt").exists()
+    assert manager.latest() == first
+    state, trainer_state = manager.load(first)
+    assert torch.equal(state["w"], torch.ones(2)) and trainer_state["step"] == 1
+
+
+def test_an_earlier_run_is_found_and_cleared_whole(tmp_path):
+    assert previous_run_files(tmp_path) == []
+    save(CheckpointManager(tmp_path, 0, 1), 4)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "tensorboard").mkdir()
+    found = previous_run_files(tmp_path)
+    assert found == [tmp_path / "metrics.jsonl", tmp_path / "checkpoints" / "step_000004"]
+    clear_previous_run(tmp_path)
+    assert previous_run_files(tmp_path) == [] and names(tmp_path) == []
+
+
+def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
+    rows = [
+        {"stage": "value_pretrain", "step": 1},
+        {"stage": "value_pretrain", "step": 2},
+        {"stage": "eval", "step": 0},
+        {"stage": "train", "step": 1},
+        {"stage": "train", "step": 2},
+        {"stage": "train", "step": 3},
+    ]
+    assert [row_position(r) for r in rows] == [(0, 1), (0, 2), (1, 0.5), (1, 1), (1, 2), (1, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
+    assert logger.rewind((1, 1)) == 2  # resumed after PPO step 1: steps 2 and 3 are redone
+    logger.log(2, {"reward/mean": 0.5})
+    logger.close()
+    got = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["step"]) for r in got] == [
+        ("value_pretrain", 1),
+        ("value_pretrain", 2),
+        ("eval", 0),
+        ("train", 1),
+        ("train", 2),
+    ]
+    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
+    assert logger.rewind((1, 0)) == 3  # resumed at step 0: the step-0 eval runs again
+    logger.close()
