@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_rl.workers.optimizer import apply_hyperparameters
+
 
 def rng_state() -> dict:
     from megatron.core import tensor_parallel
@@ -109,6 +111,12 @@ def load_role_state(role, state: dict | None, name: str, path: Path) -> None:
         chunk.load_state_dict(sd)
     role.optimizer.load_state_dict(state["optimizer"])
     load_optimizer_shards(role.optimizer, state.get("optimizer_shards", []), path)
+    changed = apply_hyperparameters(role.optimizer, role.optim)
+    if changed and torch.distributed.get_rank() == 0:
+        print(
+            f"resume: {name} optimizer settings from the config, not {path}: " + ", ".join(changed),
+            flush=True,
+        )
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -141,11 +149,20 @@ def clear_previous_run(output_dir: str | Path) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: str | Path, rank: int, world_size: int, keep_last: int = 2):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        rank: int,
+        world_size: int,
+        keep_last: int = 2,
+        layout: dict | None = None,
+    ):
+        """`layout`: the parallel sizes the shards depend on (saved, and checked on load)."""
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(output_dir) / "checkpoints"
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
+        self.layout = layout
 
     def complete(self) -> list[Path]:
         """Complete checkpoints (renamed from .tmp, trainer state written), oldest first."""
@@ -202,7 +219,7 @@ class CheckpointManager:
         torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
         torch.distributed.barrier()
         if self.rank == 0:
-            state = {**trainer_state, "world_size": self.world_size}
+            state = {**trainer_state, "world_size": self.world_size, "layout": self.layout}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
             if final.exists():
@@ -230,6 +247,16 @@ class CheckpointManager:
                 f"checkpoint {path}: saved by {trainer_state['world_size']} ranks, this run has "
                 f"{self.world_size}; resume with the same layout (or convert the weights with "
                 "checkpoints_convert and start a new run)"
+            )
+        saved = trainer_state.get("layout")  # absent in checkpoints written before it was
+        if saved is not None and self.layout is not None and saved != self.layout:
+            diff = ", ".join(
+                f"{k} {saved.get(k)} -> {v}" for k, v in self.layout.items() if saved.get(k) != v
+            )
+            raise ValueError(
+                f"checkpoint {path}: saved at another parallel layout ({diff}); its per-rank "
+                "shards only load at the layout that wrote them: resume with the saved layout "
+                "(or convert the weights with checkpoints_convert and start a new run)"
             )
         rank_file = path / f"rank_{self.rank:05d}.pt"
         try:

@@ -153,8 +153,17 @@ class RLTrainer:
         if t.eval_data_path:
             eval_data = replace(c.data, path=t.eval_data_path)
             self.eval_prompts = load_prompts(eval_data, self.tokenizer).records
+        sizes = (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+        )
         self.checkpoints = CheckpointManager(
-            t.output_dir, self.ctx.rank, self.ctx.world_size, t.keep_last
+            t.output_dir,
+            self.ctx.rank,
+            self.ctx.world_size,
+            t.keep_last,
+            layout={k: getattr(layout, k) for k in sizes},
         )
         self.logger = MetricsLogger(t.output_dir, t.total_steps, self.ctx.rank == 0, t.tensorboard)
         self.step = 0

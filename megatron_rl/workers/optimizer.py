@@ -71,4 +71,26 @@ def wrap_ddp_and_optimizer(chunks: list, optim: OptimConfig):
         # platform.initialize builds megatron's extra gloo groups only next to NCCL.
         use_gloo_process_groups=torch.cuda.is_available(),
     )
+    apply_hyperparameters(optimizer, optim)
     return wrapped, optimizer
+
+
+def apply_hyperparameters(optimizer, optim: OptimConfig) -> list[str]:
+    """Set every param group's lr, weight decay, betas and eps from `optim`, with megatron's
+    per-group multipliers (`wd_mult` 0: no weight decay on biases and norms, as megatron-LM's
+    scheduler sets it; this trainer runs without that scheduler). Called when the optimizer
+    is built and again after a checkpoint's state is loaded, whose param groups would bring
+    back the saved values: the config wins. Returns "name: old -> new" per changed value."""
+    changed: dict[str, tuple] = {}
+    for group in optimizer.param_groups:
+        wanted = {
+            "lr": optim.lr * group.get("lr_mult", 1.0),
+            "weight_decay": optim.weight_decay * group.get("wd_mult", 1.0),
+            "betas": (optim.adam_beta1, optim.adam_beta2),
+            "eps": optim.adam_eps,
+        }
+        for key, value in wanted.items():
+            if group.get(key) != value:
+                changed.setdefault(key, (group.get(key), value))
+                group[key] = value
+    return [f"{key}: {old} -> {new}" for key, (old, new) in changed.items()]

@@ -72,7 +72,8 @@ class TrainableRole(MegatronRole):
     """
 
     def __init__(self, arch, layout, chunks, precision=None, optim: OptimConfig | None = None):
-        wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, optim or OptimConfig())
+        self.optim = optim or OptimConfig()
+        wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, self.optim)
         super().__init__(arch, layout, wrapped, precision)
 
     def loss(self, cfg, counts: torch.Tensor, mb: TrainingBatch, output):

@@ -129,3 +129,38 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
     assert logger.rewind((1, 0)) == 3  # resumed at step 0: the step-0 eval runs again
     logger.close()
+
+
+def test_a_checkpoint_of_another_parallel_layout_is_refused_with_the_difference(tmp_path):
+    tp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    path = save(CheckpointManager(tmp_path, 0, 1, layout=tp2), 1)
+    assert json.loads((path / "trainer_state.json").read_text())["layout"] == tp2
+    pp2 = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
+    with pytest.raises(
+        ValueError,
+        match=r"another parallel layout \(tensor_model_parallel_size 2 -> 1, "
+        r"pipeline_model_parallel_size 1 -> 2\)",
+    ):
+        CheckpointManager(tmp_path, 0, 1, layout=pp2).load(path)
+    assert CheckpointManager(tmp_path, 0, 1, layout=tp2).load(path)[1]["step"] == 1
+
+
+def test_optimizer_settings_come_from_the_config_also_after_a_resume():
+    """torch's load_state_dict brings back the saved lr; the config's is applied again, and
+    megatron's no-decay groups (biases, norms: wd_mult 0) keep no weight decay."""
+    from megatron_rl.workers.optimizer import OptimConfig, apply_hyperparameters
+
+    weight, bias = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    groups = [{"params": [weight], "wd_mult": 1.0}, {"params": [bias], "wd_mult": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
+    assert apply_hyperparameters(opt, OptimConfig(lr=1e-3, weight_decay=0.1)) == [
+        "weight_decay: 0.1 -> 0.0"
+    ]
+    saved = opt.state_dict()
+    new = OptimConfig(lr=2e-4, weight_decay=0.1, adam_beta2=0.95)
+    opt.load_state_dict(saved)
+    changed = apply_hyperparameters(opt, new)
+    assert changed == ["lr: 0.001 -> 0.0002", "betas: (0.9, 0.999) -> (0.9, 0.95)"]
+    assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert apply_hyperparameters(opt, new) == []

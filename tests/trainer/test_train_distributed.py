@@ -255,3 +255,15 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tiny_model_dir, tmp_path)
         torch.load(latest / "rank_00000.pt", weights_only=False)["actor"],
     )
     assert f"saved checkpoint {latest}" in output
+
+
+def test_a_resume_applies_the_configs_optimizer_settings(
+    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(vapo_run, resumed)
+    overrides = [*vapo_overrides(tiny_model_dir, labelled_prompts), "actor.optim.lr=2e-4"]
+    result = train("vapo", resumed, *overrides)  # step 4 of 4 is saved: nothing left to run
+    assert "resume: actor optimizer settings from the config, not " in result.output
+    assert "lr: 0.0001 -> 0.0002" in result.output
+    assert "resume: critic optimizer" not in result.output  # unchanged: nothing to say
