@@ -118,8 +118,9 @@ class TrainerConfig:
     """torch.use_deterministic_algorithms (warn-only): deterministic kernels where torch has
     them. On for the tiny CPU recipes; on GPU it costs speed."""
     output_dir: str = "runs/train"
-    save_interval: int = 0
-    """Save every N steps (0: only at the end and on SIGTERM/SIGUSR1)."""
+    save_interval: int = 10
+    """Save every N steps (0: only at the end and on SIGTERM/SIGUSR1). Not 0 by default: a
+    job killed without a signal it can act on (a node failure, SIGKILL) loses at most N steps."""
     keep_last: int = 2
     """Checkpoints kept (>= 1); the one `latest` names is never removed."""
     resume: bool = True
