@@ -22,7 +22,6 @@ whitening needs global moments. Call the estimator, all-reduce `out.raw_moments(
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,6 +36,7 @@ from megatron_rl.algorithms.checks import (
 )
 from megatron_rl.algorithms.kl import kl_penalized_token_rewards
 from megatron_rl.algorithms.masked import Moments, masked_whiten
+from megatron_rl.algorithms.registry import lookup, registrar
 
 
 @dataclass(frozen=True)
@@ -123,24 +123,11 @@ AdvantageEstimator = Callable[[AdvantageInputs, AdvantageConfig], AdvantageOutpu
 ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    def register(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADV_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return register
+register_adv_est = registrar(ADV_ESTIMATORS, "advantage estimator")
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimator:
-    if name not in ADV_ESTIMATORS:
-        close = difflib.get_close_matches(name, ADV_ESTIMATORS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"unknown advantage estimator {name!r}{hint}; registered: {sorted(ADV_ESTIMATORS)}"
-        )
-    return ADV_ESTIMATORS[name]
+    return lookup(ADV_ESTIMATORS, name, "advantage estimator")
 
 
 # ---------------------------------------------------------------- building blocks

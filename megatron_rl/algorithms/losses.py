@@ -9,7 +9,6 @@ with `token_and_sequence_counts` and all-reduces; these functions never communic
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Literal
 
@@ -17,6 +16,7 @@ import torch
 
 from megatron_rl.algorithms.checks import check_mask, check_per_sequence, check_same_shape
 from megatron_rl.algorithms.masked import Moments, masked_sum
+from megatron_rl.algorithms.registry import lookup, registrar
 
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -138,26 +138,12 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Policy losses by name (`actor.loss.loss_mode`), as verl's `core_algos` registers them."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: a new policy loss is one function with `PolicyLossFn`'s signature."""
-
-    def register(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return register
+register_policy_loss = registrar(POLICY_LOSSES, "policy loss")
+"""Decorator: a new policy loss is one function with `PolicyLossFn`'s signature."""
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        close = difflib.get_close_matches(name, POLICY_LOSSES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"unknown policy loss (loss_mode) {name!r}{hint}; registered: {sorted(POLICY_LOSSES)}"
-        )
-    return POLICY_LOSSES[name]
+    return lookup(POLICY_LOSSES, name, "policy loss (loss_mode)")
 
 
 @register_policy_loss("vanilla")
