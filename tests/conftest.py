@@ -40,6 +40,9 @@ def vllm_engine(tiny_model_dir):
 
 
 def pytest_collection_modifyitems(config, items):
+    # An in-process vLLM engine initialises torch.distributed for the rest of the session:
+    # the `vllm` tests run last, so no other test depends on where they sit in the tree.
+    items.sort(key=lambda item: "vllm" in item.keywords)  # stable: the order is kept otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
