@@ -2,7 +2,8 @@
 s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
 
 Adapters are checked before anything is written: every lora_A/lora_B pair must fit its base
-tensor ([r, in] and [out, r] for a base [out, in]); an empty tensor (the `torch.Size([0])`
+tensor ([r, in] and [out, r] for a base [out, in]) with the rank its config gives (`r`, or
+its `rank_pattern` entry: the scale depends on it); an empty tensor (the `torch.Size([0])`
 of a ZeRO-3 save, seed 002) or a wrong shape is an error naming the file, the tensor and both
 shapes. `modules_to_save` tensors (e.g. a reward model's `score` head) replace the base ones.
 DoRA, LoRA biases and fan-in-fan-out (GPT-2 Conv1D) adapters are refused, not approximated.
@@ -60,12 +61,22 @@ class LoraMergedReader:
                 self._replacements[name.replace(".modules_to_save", "")] = tensor
         self._check(weights_path)
 
-    def _scale(self, target: str, r: int) -> float:
+    def _configured(self, target: str, key: str, pattern_key: str, default):
+        """`key` of the adapter config for `target`, its `pattern_key` entry where one
+        matches the module name (PEFT's rank_pattern / alpha_pattern)."""
         module = target.removesuffix(".weight")
-        alpha = self._config.get("lora_alpha", r)
-        for pattern, value in (self._config.get("alpha_pattern") or {}).items():
+        value = self._config.get(key, default)
+        for pattern, v in (self._config.get(pattern_key) or {}).items():
             if module.endswith(pattern):
-                alpha = value
+                value = v
+        return value
+
+    def _rank(self, target: str) -> int | None:
+        return self._configured(target, "r", "rank_pattern", None)
+
+    def _scale(self, target: str) -> float:
+        r = self._rank(target) or self._pairs[target]["lora_A"].shape[0]
+        alpha = self._configured(target, "lora_alpha", "alpha_pattern", r)
         return alpha / (math.sqrt(r) if self._config.get("use_rslora") else r)
 
     def _check(self, weights_path: Path) -> None:
@@ -87,6 +98,14 @@ class LoraMergedReader:
                     f"{list(b.shape)}; base is {[out_dim, in_dim]}, so expected [r, {in_dim}] "
                     f"and [{out_dim}, r]"
                 )
+            configured = self._rank(target)
+            if configured is not None and r != configured:
+                # The scale alpha / r would be computed from a rank the tensors do not have.
+                raise ValueError(
+                    f"{weights_path}: LoRA for {target!r} has rank {r} (lora_A {list(a.shape)}) "
+                    f"but adapter_config.json says r={configured}"
+                    + (" (with rank_pattern)" if self._config.get("rank_pattern") else "")
+                )
         for name, tensor in self._replacements.items():
             if name in self.base.keys() and tuple(tensor.shape) != self.base.shape(name):
                 raise ValueError(
@@ -106,6 +125,6 @@ class LoraMergedReader:
         tensor = self._replacements[name] if name in self._replacements else self.base(name)
         if name in self._pairs:
             a, b = self._pairs[name]["lora_A"], self._pairs[name]["lora_B"]
-            delta = b.double() @ a.double() * self._scale(name, a.shape[0])
+            delta = b.double() @ a.double() * self._scale(name)
             tensor = (tensor.double() + delta).to(tensor.dtype)
         return tensor

@@ -77,3 +77,34 @@ def first_char_parity(prompt: str, response: str, label) -> float:
 def label_sign(prompt: str, response: str, label) -> float:
     """+1 for label "good", -1 otherwise: returns that depend on the prompt only."""
     return 1.0 if label == "good" else -1.0
+
+
+def rank_dependent(prompt: str, response: str, label, calls_file: str) -> float:
+    """Different on every rank and every call (a sampling judge, seen from TP ranks); notes
+    each call (the scoring rank) in `calls_file`."""
+    import os
+    import random
+
+    rank = int(os.environ.get("RANK", 0))
+    with open(calls_file, "a") as f:
+        f.write(f"{rank}\n")
+    return rank + random.random()
+
+
+def regex_in_c(prompt: str, response: str, label) -> float:
+    """A catastrophic regular expression for response "hang": the regex engine runs in C
+    holding the GIL for hours (SIGALRM is only handled after it returns)."""
+    import re
+
+    if response == "hang":
+        re.match(r"(a+)+$", "a" * 64 + "b")
+    return float(len(response))
+
+
+def dies_on_die(prompt: str, response: str, label) -> float:
+    """The process exits (as a segfaulting extension would) for response "die"."""
+    import os
+
+    if response == "die":
+        os._exit(3)
+    return float(len(response))

@@ -65,21 +65,44 @@ class PromptDataset:
         return self.records[i]
 
 
-def _first_bad_json_line(path: Path) -> str | None:
-    """Re-read a JSONL file that `datasets` refused, to name the line at fault."""
+def _json_rows(path: Path) -> list[Any] | None:
+    """The rows of a .jsonl file (or a .json list), parsed the way a reference answer must be
+    read: numbers stay the text they were written as ("007", "1e3", "0.10"); `datasets` would
+    cast them (a column mixing 7 and "007" becomes [7, 7]). None for other formats. Raises
+    ValueError naming the line of a row that is not UTF-8, not JSON or not an object."""
+    numbers_as_text = {"parse_int": str, "parse_float": str}
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_bytes().decode("utf-8"), **numbers_as_text)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None  # `datasets` names the problem
+        return rows if isinstance(rows, list) and all(isinstance(r, dict) for r in rows) else None
     if path.suffix != ".jsonl":
         return None
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
+    rows = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, **numbers_as_text)
             except json.JSONDecodeError as e:
-                return f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(obj, dict):
-                return f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}"
-    return None
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}"
+                )
+            rows.append(obj)
+    return rows
 
 
 def _has_rows(path: Path) -> bool:
@@ -128,10 +151,23 @@ def load_table(config: PromptDataConfig):
         raise ValueError(f"prompt data {path}: cannot read it as {builder}: {e}") from e
     if not has_rows:
         raise ValueError(f"prompt data {path}: the dataset has no rows")
+    _json_rows(path)  # a bad row is named by its line, not by a pyarrow error
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:
-        raise ValueError(_first_bad_json_line(path) or f"prompt data {path}: {e}") from e
+        raise ValueError(f"prompt data {path}: {e}") from e
+
+
+def read_labels(config: PromptDataConfig, ds) -> list:
+    """The reference answer of each row: as written in a JSON(L) file (numbers as text, so
+    "007" stays "007" and 1e3 stays "1e3"; lists and objects as they are), as typed in a
+    Parquet file or saved dataset; None everywhere without `label_key`."""
+    if config.label_key is None:
+        return [None] * len(ds)
+    rows = _json_rows(Path(config.path)) if Path(config.path).is_file() else None
+    if rows is None or len(rows) != len(ds):
+        return ds[config.label_key]
+    return [row.get(config.label_key) for row in rows]
 
 
 def load_prompts(config: PromptDataConfig, tokenizer) -> PromptDataset:
@@ -150,7 +186,7 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> PromptDataset:
                 f"{ds.column_names}{hint}"
             )
     prompts = ds[config.prompt_key]
-    labels = ds[config.label_key] if config.label_key else [None] * len(ds)
+    labels = read_labels(config, ds)
     texts = []
     for row, prompt in enumerate(prompts):
         where = f"prompt data {source} row {row}"

@@ -93,3 +93,33 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0])
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _model_parallel_group():
+    """This rank's tensor x pipeline group, or None when it has one rank (or no world)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_model_parallel_group()
+    return None if torch.distributed.get_world_size(group) == 1 else group
+
+
+def is_model_parallel_source() -> bool:
+    """True on the one rank of each model-parallel (TP x PP) group that does the work whose
+    result the group shares (scoring rewards), and everywhere without model parallelism."""
+    group = _model_parallel_group()
+    return group is None or torch.distributed.get_rank(group) == 0
+
+
+def broadcast_over_model_parallel(obj):
+    """`obj` of the model-parallel group's source rank, returned on every rank of the group
+    (a picklable object; what the other ranks pass is ignored)."""
+    group = _model_parallel_group()
+    if group is None:
+        return obj
+    box = [obj]
+    src = torch.distributed.get_global_rank(group, 0)
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
+    return box[0]

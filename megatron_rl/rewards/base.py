@@ -14,9 +14,10 @@ import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from megatron_rl.data.templates import Messages
+if TYPE_CHECKING:  # an annotation only: the killable reward worker need not import torch
+    from megatron_rl.data.templates import Messages
 
 
 @dataclass
@@ -39,7 +40,8 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float | None) -> Any:
     """Run `fn()`, raising RewardTimeout after `seconds`.
 
     In the main thread SIGALRM interrupts the call (Python code; a C call that holds the GIL
-    is interrupted when it returns). Elsewhere the call runs in a daemon thread that is
+    is interrupted only when it returns: functions that may hang there run in a killable
+    process, `megatron_rl.rewards.isolated`). Elsewhere the call runs in a daemon thread that is
     abandoned on timeout: the caller moves on, the thread finishes in the background.
     """
     if seconds is None:
@@ -100,7 +102,7 @@ class RewardFunction:
             except (Exception, RewardTimeout) as e:
                 msg = f"reward {self.name!r}: {type(e).__name__}: {e}"
                 return [math.nan] * len(batch), [msg] * len(batch)
-            return _finite(self.name, values)
+            return finite_scores(self.name, values)
         values, errors = [], []
         for sample in batch:
             try:
@@ -112,10 +114,13 @@ class RewardFunction:
                 errors.append(f"reward {self.name!r}: {type(e).__name__}: {e}")
                 continue
             errors.append(None)
-        checked, not_finite = _finite(self.name, values)
+        checked, not_finite = finite_scores(self.name, values)
         return checked, [e or n for e, n in zip(errors, not_finite, strict=True)]
 
+    def close(self) -> None:
+        """Release what the function holds (a worker process, a connection)."""
 
-def _finite(name: str, values: list[float]) -> tuple[list[float], list[str | None]]:
+
+def finite_scores(name: str, values: list[float]) -> tuple[list[float], list[str | None]]:
     errors = [None if math.isfinite(v) else f"reward {name!r}: returned {v}" for v in values]
     return [v if math.isfinite(v) else math.nan for v in values], errors

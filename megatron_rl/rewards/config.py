@@ -26,12 +26,22 @@ class RewardFnConfig:
     failure_reward: float = 0.0
     """Used in place of a score that failed (raised, timed out, NaN/inf)."""
     timeout_s: float | None = 10.0
-    """Per call: one sample for per-sample functions, one batch for batched ones."""
+    """Per call: one sample for per-sample functions, one batch for batched ones. For `math`
+    and `python` functions it is enforced by running them in a worker process that is killed
+    when a call outlives it (None: in the trainer's process, without a limit)."""
     type: ClassVar[str] = ""
+    killable: ClassVar[bool] = False
+    """Runs in a killable worker process when timeout_s is set."""
 
     @property
     def display_name(self) -> str:
         return self.name or self.type
+
+    @property
+    def collective(self) -> bool:
+        """True for a function every rank of a model-parallel group must call together (a
+        reward model sharded by Megatron); others are called on one rank of the group."""
+        return False
 
     def build(self) -> RewardFunction:
         raise NotImplementedError
@@ -45,6 +55,7 @@ class MathRewardConfig(RewardFnConfig):
     fallback_last_number: bool = True
     timeout_s: float | None = 1.0
     type: ClassVar[str] = "math"
+    killable: ClassVar[bool] = True
 
     def build(self) -> RewardFunction:
         from megatron_rl.rewards.functions import MathReward
@@ -66,6 +77,7 @@ class PythonRewardConfig(RewardFnConfig):
     batched: bool = False
     kwargs: dict = field(default_factory=dict)
     type: ClassVar[str] = "python"
+    killable: ClassVar[bool] = True
 
     def build(self) -> RewardFunction:
         from megatron_rl.rewards.functions import PythonReward
@@ -91,6 +103,10 @@ class RewardModelConfig(RewardFnConfig):
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "megatron"):
             raise ValueError(f"reward_model backend {self.backend!r}: expected 'hf' or 'megatron'")
+
+    @property
+    def collective(self) -> bool:
+        return self.backend == "megatron"
 
     def build(self) -> RewardFunction:
         from megatron_rl.rewards.megatron_rm import MegatronRewardModel

@@ -71,7 +71,7 @@ class InlineScoringPool:
         return handle
 
     def close(self) -> None:
-        pass
+        self.scorer.close()
 
 
 class RayScoringPool:
@@ -79,7 +79,7 @@ class RayScoringPool:
         import ray
 
         for fn in reward_fns:
-            if getattr(fn, "backend", "hf") == "megatron":
+            if fn.collective:
                 raise ValueError(
                     f"reward function {fn.display_name!r}: backend 'megatron' runs inside the "
                     "torchrun world; score it inline (scoring pool num_workers: 0) or use backend: hf"
@@ -154,3 +154,41 @@ def make_scoring_pool(
     if config.num_workers == 0:
         return InlineScoringPool(reward_fns)
     return RayScoringPool(reward_fns, config)
+
+
+class ModelParallelScoringPool:
+    """Scores each sample once per model-parallel (TP x PP) group.
+
+    The ranks of a group generate the same samples (one vLLM engine, SPMD), so one rank
+    scores them and broadcasts the scores: a non-deterministic reward (a sampling judge, a
+    remote model) cannot give the ranks different rewards (different dynamic-filtering
+    decisions would hang the next collective), and a remote service is called once per
+    sample, not TP x PP times. Functions that are themselves collective (a reward model
+    sharded by Megatron) still run on every rank of the group; the source's scores win.
+    Every rank must call `submit` and `result` in the same order (the rating loop does).
+    """
+
+    def __init__(self, reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig | None):
+        from megatron_rl.parallel.collectives import is_model_parallel_source
+
+        self.is_source = is_model_parallel_source()
+        if self.is_source:
+            self.inner = make_scoring_pool(reward_fns, config)
+        else:
+            collective = [fn for fn in reward_fns if fn.collective]
+            self.inner = InlineScoringPool(collective) if collective else None
+
+    def submit(self, batch: list[RewardInput]):
+        if self.inner is None:
+            return None
+        return self.inner.submit(batch)
+
+    def result(self, handle) -> TimedScores:
+        from megatron_rl.parallel.collectives import broadcast_over_model_parallel
+
+        scores = self.inner.result(handle) if self.is_source else None
+        return broadcast_over_model_parallel(scores)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

@@ -35,8 +35,17 @@ class RewardScorer:
         names = [c.display_name for c in configs]
         if len(set(names)) != len(names):
             raise ValueError(f"reward_fns: names must be unique, got {names} (set name:)")
+        from megatron_rl.rewards.isolated import IsolatedRewardFunction
+
         self.configs = list(configs)
-        self.functions = [c.build() for c in configs]
+        self.functions = []
+        try:
+            for c in configs:
+                killable = c.killable and c.timeout_s is not None
+                self.functions.append(IsolatedRewardFunction(c) if killable else c.build())
+        except BaseException:
+            self.close()
+            raise
 
     def __call__(self, batch: list[RewardInput]) -> ScoredBatch:
         rewards = [0.0] * len(batch)
@@ -47,6 +56,10 @@ class RewardScorer:
             for i, v in enumerate(values):
                 rewards[i] += config.weight * (config.failure_reward if math.isnan(v) else v)
         return ScoredBatch(rewards, scores, errors)
+
+    def close(self) -> None:
+        for fn in self.functions:
+            fn.close()
 
 
 def check_failure_ratio(

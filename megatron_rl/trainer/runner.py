@@ -89,7 +89,7 @@ class RLTrainer:
         from transformers import AutoTokenizer
 
         from megatron_rl.data import PromptStream, load_prompts
-        from megatron_rl.rewards import make_scoring_pool
+        from megatron_rl.rewards.pool import ModelParallelScoringPool
         from megatron_rl.workers.critic import Critic
         from megatron_rl.workers.policy import Actor, ReferencePolicy
 
@@ -148,7 +148,7 @@ class RLTrainer:
             top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
         )
-        self.pool = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool)
+        self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
         self.eval_prompts = None
         if t.eval_data_path:
             eval_data = replace(c.data, path=t.eval_data_path)

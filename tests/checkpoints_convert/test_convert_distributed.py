@@ -175,6 +175,31 @@ def test_lora_adapter_that_does_not_fit_is_a_clear_error(tiny_model_dir, lora_ad
     assert not (tmp_path / "out").exists()
 
 
+def test_lora_rank_must_match_its_config(tiny_model_dir, lora_adapter, tmp_path):
+    """The merge scale is lora_alpha / r: tensors of another rank than the config's `r` (or
+    its rank_pattern) would be merged with the wrong scale, so they are refused."""
+    from checkpoints_convert.lora import LoraMergedReader
+
+    adapter, _ = lora_adapter
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    for change, message in (
+        ({"r": 8}, "has rank 4 .* says r=8"),
+        (
+            {"rank_pattern": {"q_proj": 2}},
+            "q_proj.weight' has rank 4 .* r=2 \\(with rank_pattern\\)",
+        ),
+    ):
+        bad = tmp_path / f"bad-{len(change)}-{next(iter(change))}"
+        bad.mkdir()
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        (bad / "adapter_model.safetensors").write_bytes(
+            (adapter / "adapter_model.safetensors").read_bytes()
+        )
+        with pytest.raises(ValueError, match=message):
+            LoraMergedReader(HFCheckpointReader(tiny_model_dir), bad)
+    LoraMergedReader(HFCheckpointReader(tiny_model_dir), adapter)  # the real one passes
+
+
 @pytest.fixture(scope="module")
 def reward_model(tiny_model_dir, tmp_path_factory):
     """A tiny HF sequence-classification reward model built on the tiny transformer."""

@@ -126,6 +126,34 @@ def test_bad_input_names_the_file_and_row(tmp_path, tokenizer):
         load_prompts(config(tmp_path / "p.csv"), tokenizer)
 
 
+def test_a_row_that_is_not_utf8_is_named(tmp_path, tokenizer):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(
+        b'{"question": "a", "solution": "1"}\n{"question": "caf\xe9", "solution": "2"}\n'
+    )
+    with pytest.raises(
+        ValueError, match=r"latin1.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 18\)"
+    ):
+        load_prompts(config(bad), tokenizer)
+
+
+def test_labels_are_kept_as_written(tmp_path, tokenizer):
+    """`datasets` reads a column mixing 7 and "007" as JSON and gives [7, 7], and 1e3 as
+    1000.0: reference answers are read as the file writes them."""
+    rows = ['"007"', "7", "1e3", "0.10", '["1", 2]', "null"]
+    path = tmp_path / "labels.jsonl"
+    path.write_text(
+        "".join(f'{{"question": "q{i}", "solution": {r}}}\n' for i, r in enumerate(rows))
+    )
+    labels = [r.label for r in load_prompts(config(path), tokenizer).records]
+    assert labels == ["007", "7", "1e3", "0.10", ["1", "2"], None]
+    as_list = tmp_path / "labels.json"
+    as_list.write_text(
+        "[" + ",".join(f'{{"question": "q", "solution": {r}}}' for r in rows[:4]) + "]"
+    )
+    assert [r.label for r in load_prompts(config(as_list), tokenizer).records] == labels[:4]
+
+
 def test_empty_dataset_is_refused(tmp_path, tokenizer):
     import datasets
 

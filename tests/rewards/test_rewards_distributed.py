@@ -35,3 +35,18 @@ def test_megatron_backend_needs_the_torchrun_world_and_no_ray(llama_rm_dir):
         make_scoring_pool([cfg], ScoringPoolConfig(num_workers=1))
     with pytest.raises(ValueError, match="backend 'vllm'"):
         RewardModelConfig(model_dir="x", backend="vllm")
+
+
+def test_tensor_parallel_ranks_share_one_scoring(tmp_path):
+    """A reward that differs per rank (a sampling judge) gives every TP rank the same scores,
+    and each sample is scored once, on one rank (a remote RM is called once, not TP times)."""
+    calls = tmp_path / "calls.txt"
+    run_torchrun(
+        "tests.torchrun.reward_scoring",
+        ["--out-dir", str(tmp_path), "--calls-file", str(calls)],
+        nproc=2,
+    )
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(rank0) == 6 and rank0 == rank1
+    assert all(0.0 <= r < 1.0 for r in rank0)  # rank 0's scores
+    assert calls.read_text().split() == ["0"] * 6
