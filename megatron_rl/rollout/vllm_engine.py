@@ -126,7 +126,16 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
         self.sleep_mode = not on_cpu
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except RuntimeError as e:
+            if "errno: 17" not in str(e) and "File exists" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{e}\nvLLM found a shared-memory file of the same name in /dev/shm, left by a "
+                "run that was killed: remove the stale /dev/shm/*cpushm* files of your user "
+                "(megatron_rl's trainer removes those its own killed runs left)"
+            ) from e
 
     def shutdown(self) -> None:
         """Release the engine and its process groups now (vLLM would otherwise do it from a

@@ -29,6 +29,7 @@ from megatron_rl.parallel.collectives import (
     reduce_over_ranks,
 )
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
+from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.trainer.checkpoint import (
     CheckpointManager,
@@ -110,12 +111,18 @@ class RLTrainer:
         self.ctx = platform.initialize(
             layout, arch=arch, seed=t.seed, deterministic=t.deterministic
         )
-        if t.overwrite and self.ctx.rank == 0:
-            clear_previous_run(t.output_dir)
-        torch.distributed.barrier()
         self.tokenizer = AutoTokenizer.from_pretrained(c.model.path)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
+        self.eval_prompts = None
+        if t.eval_data_path:
+            eval_data = replace(c.data, path=t.eval_data_path)
+            self.eval_prompts = load_prompts(eval_data, self.tokenizer).records
+        # Before the models: a reward that cannot be imported or built fails in seconds.
+        self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
+        if t.overwrite and self.ctx.rank == 0:  # only once the run's inputs proved usable
+            clear_previous_run(t.output_dir)
+        torch.distributed.barrier()
         precision = c.model.precision
         recompute = c.model.recompute
         self.actor = Actor(arch, layout, c.model.path, precision, c.actor.optim, recompute)
@@ -131,6 +138,10 @@ class RLTrainer:
             )
             self._load_rm_head(critic_path)
         r = c.rollout
+        self.shm = ShmRecord(t.output_dir, self.ctx.rank)
+        stale = self.shm.remove_stale()
+        if stale:
+            print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
         self.engine = VLLMEngine(
             c.model.path,
             EngineConfig(
@@ -142,17 +153,13 @@ class RLTrainer:
                 external_launcher="WORLD_SIZE" in os.environ,
             ),
         )
+        self.shm.write()
         self.sampling = SamplingConfig(
             n=r.n_samples_per_prompt,
             temperature=r.temperature,
             top_p=r.top_p,
             max_new_tokens=r.max_new_tokens,
         )
-        self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
-        self.eval_prompts = None
-        if t.eval_data_path:
-            eval_data = replace(c.data, path=t.eval_data_path)
-            self.eval_prompts = load_prompts(eval_data, self.tokenizer).records
         sizes = (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -434,4 +441,5 @@ class RLTrainer:
         self.logger.close()
         self.pool.close()
         self.engine.shutdown()  # its process groups first, then ours
+        self.shm.clean_up()
         platform.destroy()

@@ -1,0 +1,85 @@
+"""Shared-memory files of the rollout engine: recorded per rank, removed on exit and, when a
+killed run left them behind, at the next start.
+
+vLLM's message queues live in /dev/shm (Python `SharedMemory`, `psm_*`; on CPU builds with
+the SHM communicator also `*-cpushm` files). A run killed with SIGKILL never unlinks them:
+/dev/shm fills up, and a fixed-name file makes the next engine fail with errno 17 (EEXIST).
+Which files are this process's is read from /proc/self/maps (the files it has mapped), never
+guessed from names, so the files of another job on the same node are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+SHM_DIR = "/dev/shm/"
+
+
+def mapped_shm_files(maps: str = "/proc/self/maps") -> list[str]:
+    """The /dev/shm files this process has mapped, sorted."""
+    try:
+        text = Path(maps).read_text()
+    except OSError:  # not Linux
+        return []
+    files = {line.split(None, 5)[5].strip() for line in text.splitlines() if SHM_DIR in line}
+    return sorted(f.removesuffix(" (deleted)") for f in files if not f.endswith("(deleted)"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmRecord:
+    """`{output_dir}/.shm/rank{R}.json`: the pid, host and /dev/shm files of one rank."""
+
+    def __init__(self, output_dir: str | Path, rank: int):
+        self.path = Path(output_dir) / ".shm" / f"rank{rank}.json"
+
+    def remove_stale(self) -> list[str]:
+        """Unlink the files an earlier, dead process of this rank left (same host only);
+        returns them."""
+        try:
+            record = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return []
+        if record.get("host") != socket.gethostname() or _alive(record.get("pid", -1)):
+            return []
+        removed = [f for f in record.get("files", []) if _unlink(f)]
+        self.path.unlink(missing_ok=True)
+        return removed
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "files": mapped_shm_files()}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.path)
+
+    def clean_up(self) -> None:
+        """After the engine shut down: unlink what it left, forget the record."""
+        try:
+            files = json.loads(self.path.read_text()).get("files", [])
+        except (OSError, ValueError):
+            return
+        for f in files:
+            _unlink(f)
+        self.path.unlink(missing_ok=True)
+
+
+def _unlink(path: str) -> bool:
+    if not path.startswith(SHM_DIR):
+        return False
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
