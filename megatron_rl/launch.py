@@ -1,6 +1,16 @@
-"""Launch a module or script under torchrun on this machine, with a hard time limit.
+"""Launch training under torchrun: a pre-emption-safe front for clusters, and a runner with a
+hard time limit for the tests and the demo.
 
-Used by the tests and the demo. On a timeout the whole process tree is killed: torchrun
+    python -m megatron_rl.launch [torchrun options] -m megatron_rl.train --config C [k=v ...]
+
+runs torchrun with the same arguments, but a SIGTERM or SIGUSR1 sent to this launcher (a
+container runtime's stop, SLURM's `--signal=B:...`, `kill`) goes to the training workers
+only: they finish the step, save a checkpoint and exit 0, so torchrun and this launcher
+exit 0 too. torchrun signalled itself would stop its workers with a SIGKILL after its
+shutdown timeout (30 s by default) and exit 1; its `--shutdown-timeout` defaults here to
+`SHUTDOWN_TIMEOUT_S`, so a scheduler that signals every process still leaves time to save.
+
+`run_torchrun` is used by the tests and the demo. On a timeout the whole process tree is killed: torchrun
 starts each worker in a session of its own, so killing torchrun's process group alone would
 orphan hung ranks (and their open stdout would block us forever). On failure the error
 carries torchrun's output, which includes the failing rank's traceback (workers decorate
@@ -16,6 +26,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+SHUTDOWN_TIMEOUT_S = 900
+"""torchrun's wait between SIGTERM and SIGKILL of its workers: a step and a save of a large run."""
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """The thread-count variables of OpenMP, MKL and OpenBLAS, read by child processes."""
@@ -124,3 +138,38 @@ def run_torchrun(
             f"torchrun {target} exited with {proc.returncode}; output:\n" + _tail(output)
         )
     return TorchrunResult(proc.returncode, output)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """torchrun with `argv`; SIGTERM / SIGUSR1 forwarded to its workers only. Returns
+    torchrun's exit code."""
+    import psutil
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in args):
+        args.insert(0, f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args])
+
+    def to_workers(signum, frame):
+        try:
+            workers = psutil.Process(proc.pid).children()  # torchrun's children are the ranks
+        except psutil.NoSuchProcess:
+            return
+        print(f"launcher: {signal.Signals(signum).name} -> {len(workers)} worker(s)", flush=True)
+        for w in workers:
+            try:
+                w.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, to_workers)
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it stop its workers
+            continue
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,3 +49,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A torch.distributed world of this one process (gloo), for code that calls collectives."""
+    if torch.distributed.is_initialized():  # e.g. by an in-process vLLM engine: world of one
+        assert torch.distributed.get_world_size() == 1
+        yield
+        return
+    store = tmp_path_factory.mktemp("store") / "file"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    yield
+    torch.distributed.destroy_process_group()

@@ -108,3 +108,16 @@ def dies_on_die(prompt: str, response: str, label) -> float:
     if response == "die":
         os._exit(3)
     return float(len(response))
+
+
+def coin_flip_or_regex_hang(prompt: str, response: str, label, calls_file: str) -> float:
+    """A sampling judge seen from each rank (a fresh coin per call and per process), stuck in
+    C for hours on responses whose length is a multiple of 5; notes the rank of each call."""
+    import os
+    import random
+
+    with open(calls_file, "a") as f:
+        f.write(f"{os.environ.get('RANK', 0)}\n")
+    if len(response) % 5 == 0:
+        regex_in_c(prompt, "hang", label)
+    return float(random.random() < 0.5)

@@ -212,8 +212,8 @@ class CheckpointManager:
         final = self.root / name
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".*.tmp"):
-                shutil.rmtree(stale)
+            for stale in self.root.glob(".*.tmp"):  # a save that was killed
+                shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
             tmp.mkdir()
         torch.distributed.barrier()
         torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")

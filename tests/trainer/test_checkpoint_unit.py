@@ -19,17 +19,8 @@ from megatron_rl.trainer.metrics import MetricsLogger, row_position
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one(tmp_path_factory):
-    if torch.distributed.is_initialized():  # e.g. by an in-process vLLM engine: world of one
-        assert torch.distributed.get_world_size() == 1
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "file"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=1
-    )
-    yield
-    torch.distributed.destroy_process_group()
+def _world(world_of_one):
+    pass
 
 
 def save(manager: CheckpointManager, step: int, value: float = 0.0):

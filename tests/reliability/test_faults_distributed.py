@@ -1,0 +1,78 @@
+"""Faults a cluster run meets, injected into real runs (torchrun, 2 CPU ranks, real vLLM):
+the stop signal of a scheduler or container runtime, a sampling judge that gives every rank
+other rewards, a reward function stuck in C. Nothing may be lost, nothing may hang."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rl.launch import free_port
+
+pytestmark = pytest.mark.distributed
+
+JUDGE = (
+    'rewards.reward_fns=[{type: python, path: "tests.reward_fns:coin_flip_or_regex_hang", '
+    'timeout_s: 0.3, kwargs: {calls_file: "%s"}}]'
+)
+
+
+def metrics(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["stage"] == "train"]
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per_rank_and_hangs(
+    tiny_model_dir, tmp_path
+):
+    """GRPO at TP=2 with dynamic filtering and one generation chunk per step (so a step can
+    keep fewer groups than asked), rewarded by a coin flipped on each rank (without one
+    scoring rank per model-parallel group the ranks keep different numbers of groups and hang
+    in the next collective) that is stuck in C on a fifth of the responses (only a killed process
+    stops it). After two steps the launcher alone gets SIGTERM, as from `docker stop` or
+    SLURM's `--signal=B:TERM`: the workers finish their step, save, and everything exits 0."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.train",
+        "--config", "examples/tiny/grpo.yaml", f"model.path={tiny_model_dir}",
+        JUDGE % (tmp_path / "calls.txt"), "rollout.rating.max_num_gen_chunks=1",
+        "rollout.rating.max_failure_ratio=0.6", f"trainer.output_dir={out}",
+        "trainer.total_steps=1000", "trainer.save_interval=0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None and len(metrics(out)) < 2:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            import psutil
+
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    records = metrics(out)
+    root = out / "checkpoints"
+    latest = root / (root / "latest").read_text()
+    # save_interval 0: this checkpoint exists only because of the signal, at the last step.
+    assert json.loads((latest / "trainer_state.json").read_text())["step"] == len(records) >= 2
+    assert sorted(p.name for p in latest.iterdir()) == [
+        "config.yaml", "rank_00000.pt", "rank_00001.pt", "trainer_state.json"
+    ]  # fmt: skip
+    assert "launcher: SIGTERM -> 2 worker(s)" in output
+    timeouts = sum(r.get("reward/python/failures", 0.0) for r in records)
+    assert timeouts > 0, "no response hit the C hang: the test exercised nothing"
+    calls = (tmp_path / "calls.txt").read_text().split()
+    assert set(calls) == {"0"}, "a sample was scored on the other TP rank too"
