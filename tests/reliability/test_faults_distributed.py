@@ -34,8 +34,8 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
 ):
     """GRPO at TP=2 with dynamic filtering and one generation chunk per step (so a step can
     keep fewer groups than asked), rewarded by a coin flipped on each rank (without one
-    scoring rank per model-parallel group the ranks keep different numbers of groups and hang
-    in the next collective) that is stuck in C on a fifth of the responses (only a killed process
+    scoring rank per model-parallel group each TP rank scores with its own coin: different
+    advantages, different groups kept, different batch shapes in the next collective) that is stuck in C on a fifth of the responses (only a killed process
     stops it). After two steps the launcher alone gets SIGTERM, as from `docker stop` or
     SLURM's `--signal=B:TERM`: the workers finish their step, save, and everything exits 0."""
     out = tmp_path / "run"
