@@ -55,7 +55,7 @@ def _tail(text: str, chars: int = 12000) -> str:
     return text if len(text) <= chars else "...\n" + text[-chars:]
 
 
-def _kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM torchrun (it forwards to its workers), then SIGKILL whatever is left."""
     import psutil
 
@@ -125,7 +125,7 @@ def run_torchrun(
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         output, _ = proc.communicate()
         raise TorchrunError(
             f"torchrun {target} timed out after {timeout:.0f}s and was killed; output:\n"

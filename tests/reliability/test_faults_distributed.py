@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_rl.launch import free_port
+from megatron_rl.launch import free_port, kill_tree
 
 pytestmark = pytest.mark.distributed
 
@@ -56,12 +56,8 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            import psutil
-
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                p.kill()
-            proc.kill()
+        if proc.poll() is None:  # hung: no rank may outlive the test
+            kill_tree(proc)
     assert proc.returncode == 0, output[-4000:]
     records = metrics(out)
     root = out / "checkpoints"

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from megatron_rl.launch import free_port, run_torchrun
+from megatron_rl.launch import free_port, kill_tree, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -233,10 +233,8 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tiny_model_dir, tmp_path)
             p.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                p.kill()
-            proc.kill()
+        if proc.poll() is None:  # hung: no rank may outlive the test
+            kill_tree(proc)
     records = metrics(out)
     assert len(records) >= 3 and all(finite(r) for r in records[:3]), output[-3000:]
     root = out / "checkpoints"
