@@ -151,10 +151,10 @@ def load_table(config: PromptDataConfig):
         raise ValueError(f"prompt data {path}: cannot read it as {builder}: {e}") from e
     if not has_rows:
         raise ValueError(f"prompt data {path}: the dataset has no rows")
-    _json_rows(path)  # a bad row is named by its line, not by a pyarrow error
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as e:
+        _json_rows(path)  # names the bad row by its line, where pyarrow's error does not
         raise ValueError(f"prompt data {path}: {e}") from e
 
 
@@ -165,8 +165,13 @@ def read_labels(config: PromptDataConfig, ds) -> list:
     if config.label_key is None:
         return [None] * len(ds)
     rows = _json_rows(Path(config.path)) if Path(config.path).is_file() else None
-    if rows is None or len(rows) != len(ds):
+    if rows is None:
         return ds[config.label_key]
+    if len(rows) != len(ds):  # never seen; refused rather than pairing labels with other rows
+        raise ValueError(
+            f"prompt data {config.path}: {len(rows)} JSON rows but `datasets` read {len(ds)}; "
+            "cannot pair the labels with their prompts"
+        )
     return [row.get(config.label_key) for row in rows]
 
 

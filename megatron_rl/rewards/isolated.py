@@ -108,27 +108,32 @@ class IsolatedRewardFunction(RewardFunction):
             self.restarts += 1
         return self.child
 
-    def __call__(self, batch: list[RewardInput]) -> tuple[list[float], list[str | None]]:
-        expected = 1 if self.batched else len(batch)
-        values: list[float] = []
-        errors: list[str | None] = []
-        while len(values) < expected:
-            done = len(values)
+    def _replies(self, batch: list[RewardInput], expected: int) -> list[tuple]:
+        """The child's `expected` replies (value, error) to `batch`: one per sample, or one
+        for a batched function. A reply that does not come (time limit, the child died) is
+        (None, why); the child is replaced and gets the samples not yet scored."""
+        replies: list[tuple] = []
+        while len(replies) < expected:
             child = self._child()
-            child.send.send(batch if self.batched else batch[done:])
-            while len(values) < expected:
+            child.send.send(batch if self.batched else batch[len(replies) :])
+            while len(replies) < expected:
                 reply = child.receive(self.timeout_s)
-                if isinstance(reply, str):  # timed out or died: the sample in hand failed
+                if isinstance(reply, str):
                     self.child = None
                     child.kill()
-                    values.append(math.nan)
-                    errors.append(f"reward {self.name!r}: {reply}")
+                    replies.append((None, reply))
                     break
-                value, error = reply
-                values.append(value)
-                errors.append(None if error is None else f"reward {self.name!r}: {error}")
+                replies.append(reply)
+        return replies
+
+    def __call__(self, batch: list[RewardInput]) -> tuple[list[float], list[str | None]]:
         if self.batched:
-            values, errors = _batch_result(values[0], errors[0], len(batch))
+            [(value, error)] = self._replies(batch, 1)
+            replies = [(v, None) for v in value] if error is None else [(None, error)] * len(batch)
+        else:
+            replies = self._replies(batch, len(batch))
+        values = [math.nan if v is None else v for v, _ in replies]
+        errors = [None if e is None else f"reward {self.name!r}: {e}" for _, e in replies]
         checked, not_finite = finite_scores(self.name, values)
         return checked, [e or n for e, n in zip(errors, not_finite, strict=True)]
 
@@ -136,12 +141,6 @@ class IsolatedRewardFunction(RewardFunction):
         if self.child is not None:
             self.child.kill()
             self.child = None
-
-
-def _batch_result(value, error, n: int) -> tuple[list[float], list[str | None]]:
-    if error is not None:
-        return [math.nan] * n, [error] * n
-    return value, [None] * n
 
 
 # ---------------------------------------------------------------------------- the child side

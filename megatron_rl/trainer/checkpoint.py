@@ -6,8 +6,9 @@
 
 All ranks write into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N` and then
 updates `latest` (temp file + os.replace), so a directory named step_N is always complete
-and a crash leaves at most a `.tmp` directory, which the next save removes. Pruning keeps the
-newest `keep_last` checkpoints up to the one just saved (never that one, never a later one).
+and a crash leaves at most a `.tmp` directory (or a `.latest.tmp` pointer), which the next
+save removes. Pruning keeps the newest `keep_last` checkpoints up to the one just saved
+(never that one, never a later one).
 A checkpoint a rank cannot read is named (file and rank), moved aside to `.step_N.corrupt`,
 and the previous complete one is used. Resuming needs the same world size and layout
 (per-rank shards); the HF converters reshard weights.
