@@ -64,3 +64,19 @@ def world_of_one(tmp_path_factory):
     )
     yield
     torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """family_dir(name) -> a tiny checkpoint of `tests.families.SUPPORTED[name]`, made once."""
+    from tests.families import SUPPORTED
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            root = tmp_path_factory.mktemp("families")
+            made[name] = make_tiny_model(root / name, SUPPORTED[name])
+        return made[name]
+
+    return get

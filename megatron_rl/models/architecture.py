@@ -1,17 +1,15 @@
-"""The shape of a decoder-only model, read from a Hugging Face config (Qwen2 / Llama families).
+"""The shape of a decoder-only model (Qwen2 / Qwen3 / Llama families).
 
 Pure Python: no Megatron import, so configs can be validated before any process starts.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 VOCAB_PAD_MULTIPLE = 1024
 """128 * 8: the padded vocabulary is the same for every TP size up to 8, so a checkpoint
 saved at one TP loads at another (megatron-LM pads to 128 * TP, which changes with TP)."""
@@ -19,7 +17,8 @@ saved at one TP loads at another (megatron-LM pads to 128 * TP, which changes wi
 
 @dataclass(frozen=True)
 class ModelArchitecture:
-    """Dimensions and flavour of a Qwen2/Llama-style transformer (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """Dimensions and flavour of a Qwen2/Qwen3/Llama-style transformer (RMSNorm, SwiGLU, RoPE,
+    GQA). Defaults keep architectures saved before a field existed loadable."""
 
     model_type: str
     num_layers: int
@@ -36,6 +35,14 @@ class ModelArchitecture:
     qkv_bias: bool
     tie_word_embeddings: bool
     init_method_std: float = 0.02
+    qk_layernorm: bool = False
+    """Qwen3: RMSNorm over head_dim on each query and key head before RoPE."""
+    rope_type: str = "default"
+    """"default", "linear" (positions / factor) or "llama3" (Llama-3.1 frequency scaling)."""
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -83,52 +90,11 @@ class ModelArchitecture:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any] | str | Path) -> ModelArchitecture:
-        """Read a Hugging Face `config.json` (a dict, the file, or its directory)."""
-        source = "<dict>"
-        if not isinstance(config, dict):
-            path = Path(config)
-            if path.is_dir():
-                path = path / "config.json"
-            source = str(path)
-            try:
-                config = json.loads(path.read_text())
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"no Hugging Face config at {path}") from e
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"{source}: model_type={model_type!r} is not supported; "
-                f"expected one of {SUPPORTED_MODEL_TYPES}"
-            )
+        """Read a Hugging Face `config.json` (a dict, the file, or its directory); anything
+        not reproduced exactly is refused (`megatron_rl.models.hf_config`)."""
+        from megatron_rl.models.hf_config import read_hf_config
 
-        def field(name: str) -> Any:
-            if name not in config:
-                raise ValueError(f"{source}: missing field {name!r} for model_type={model_type}")
-            return config[name]
-
-        heads = field("num_attention_heads")
-        hidden = field("hidden_size")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet")
-        rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        return cls(
-            model_type=model_type,
-            num_layers=field("num_hidden_layers"),
-            hidden_size=hidden,
-            ffn_hidden_size=field("intermediate_size"),
-            num_attention_heads=heads,
-            num_query_groups=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            vocab_size=field("vocab_size"),
-            max_position_embeddings=field("max_position_embeddings"),
-            rope_theta=float(rope_theta),
-            norm_epsilon=float(field("rms_norm_eps")),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            init_method_std=float(config.get("initializer_range", 0.02)),
-        )
+        return read_hf_config(config)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

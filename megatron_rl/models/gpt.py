@@ -1,7 +1,8 @@
 """Megatron-core GPTModel builders for Qwen2/Llama-family architectures.
 
 `build_gpt_model_chunks(arch, layout)` returns this rank's model chunks (one per virtual
-pipeline stage): RMSNorm, SwiGLU, RoPE with the Hugging Face theta, GQA, optional QKV bias.
+pipeline stage): RMSNorm, SwiGLU, RoPE with the Hugging Face theta and scaling (linear,
+llama3), GQA, optional QKV bias, optional per-head query/key RMSNorm (Qwen3).
 
 Layer specs: the Transformer Engine spec when TE is importable and CUDA is present (fused
 norm+linear, FP8-capable), otherwise megatron-core's local spec with our `RMSNorm`, which
@@ -202,6 +203,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
@@ -232,18 +234,41 @@ def transformer_config(
     )
 
 
-def layer_spec(use_transformer_engine: bool | None = None):
-    """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm."""
+def layer_spec(use_transformer_engine: bool | None = None, qk_layernorm: bool = False):
+    """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm
+    (also as the per-head query/key norm when `qk_layernorm`, Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     if use_transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=qk_layernorm
+    )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec
+
+
+def _scale_rope(model, arch: ModelArchitecture) -> None:
+    """Llama-3.1's frequency scaling with the config's factors. megatron-core's own
+    `rope_scaling=True` hard-codes low/high frequency factors 1/4 and an original context of
+    8192, so the frequencies are rescaled here from the unscaled ones, before any forward
+    (the rotary module caches what it computes)."""
+    if arch.rope_type != "llama3":
+        return
+    rope = model.rotary_pos_emb
+    rope.inv_freq = rope._apply_scaling(
+        rope.inv_freq,
+        factor=arch.rope_factor,
+        low_freq_factor=arch.rope_low_freq_factor,
+        high_freq_factor=arch.rope_high_freq_factor,
+        original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+    )
 
 
 def _block_spec(config, layer, vp_stage: int | None, use_transformer_engine: bool):
@@ -281,7 +306,7 @@ def build_gpt_model_chunks(
     config = transformer_config(arch, layout, precision, recompute)
     if config.fp8 and not use_transformer_engine:
         raise ValueError("fp8 needs the Transformer Engine layer spec (use_transformer_engine)")
-    layer = layer_spec(use_transformer_engine)
+    layer = layer_spec(use_transformer_engine, arch.qk_layernorm)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -299,8 +324,12 @@ def build_gpt_model_chunks(
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=arch.rope_theta,
+            # HF's "linear" rope divides the frequencies by the factor: the same as dividing
+            # the positions, which is what megatron-core's interpolation factor does.
+            seq_len_interpolation_factor=arch.rope_factor if arch.rope_type == "linear" else None,
             vp_stage=vp_stage,
         )
+        _scale_rope(chunk, arch)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

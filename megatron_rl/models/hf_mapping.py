@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron names and tensor layouts for Qwen2/Llama-family models.
+"""Hugging Face <-> Megatron names and tensor layouts for Qwen2/Qwen3/Llama-family models.
 
 This is the one place that knows how HF tensors map onto megatron-core's GPTModel; the
 checkpoint converters and the Megatron -> vLLM weight sync build on it.
@@ -37,7 +37,11 @@ _LAYER_DIRECT = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3 qk-norm
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# Non-parameter buffers older Llama checkpoints saved; recomputed from the config.
+_BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchitecture):
@@ -198,6 +202,9 @@ def expected_hf_shapes(arch: ModelArchitecture, role: str = "actor") -> dict[str
                 p + "mlp.down_proj.weight": (h, ffn),
             }
         )
+        if arch.qk_layernorm:
+            shapes[p + "self_attn.q_norm.weight"] = (arch.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)
         if arch.qkv_bias:
             shapes.update(
                 {
@@ -264,8 +271,32 @@ class HFCheckpointReader:
                 ) from None
 
 
+def check_every_tensor_is_mapped(reader, arch: ModelArchitecture) -> None:
+    """Refuse a checkpoint holding a tensor nothing here maps (e.g. an o_proj bias the config
+    did not announce), naming it, instead of dropping it. Heads are not role-specific: a
+    critic initialised from a causal LM leaves its `lm_head` unused by design."""
+    known = expected_hf_shapes(arch, "actor").keys() | expected_hf_shapes(arch, "critic").keys()
+    if arch.tie_word_embeddings:
+        known.add("lm_head.weight")  # checked below: must equal the embedding it is tied to
+    unmapped = sorted(k for k in reader.keys() if k not in known and not _BUFFER.match(k))
+    if unmapped:
+        shown = ", ".join(unmapped[:5]) + (f" and {len(unmapped) - 5} more" * (len(unmapped) > 5))
+        raise ValueError(
+            f"{reader.hf_dir}: {len(unmapped)} tensor(s) that model_type={arch.model_type} with "
+            f"this config does not have, so they would be dropped: {shown}"
+        )
+    if arch.tie_word_embeddings and "lm_head.weight" in reader.keys():
+        if not torch.equal(reader("lm_head.weight"), reader("model.embed_tokens.weight")):
+            raise ValueError(
+                f"{reader.hf_dir}: tie_word_embeddings is true but lm_head.weight differs from "
+                "model.embed_tokens.weight"
+            )
+
+
 def validate_hf_checkpoint(reader, arch: ModelArchitecture, role: str = "actor") -> None:
-    """Check every expected tensor is present with the right shape (headers only)."""
+    """Check every expected tensor is present with the right shape (headers only) and every
+    tensor present is mapped."""
+    check_every_tensor_is_mapped(reader, arch)
     for name, shape in expected_hf_shapes(arch, role).items():
         found = reader.shape(name)
         if found != shape:
@@ -293,6 +324,7 @@ def load_hf_into_megatron(
     from megatron_rl.models.gpt import layer_offset
 
     reader = source if callable(source) else HFCheckpointReader(source)
+    check_every_tensor_is_mapped(reader, arch)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for chunk in model_chunks:

@@ -1,4 +1,4 @@
-"""Write a tiny random-initialised Qwen2 (or Llama) checkpoint in Hugging Face format.
+"""Write a tiny random-initialised Qwen2 (or Qwen3, Llama) checkpoint in Hugging Face format.
 
     python -m megatron_rl.models.tiny --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
         --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_rl import fsutil
 
@@ -57,6 +58,7 @@ TEMPLATES = {
     ),
 }
 SPECIAL_TOKENS = TEMPLATES["chatml"][0]
+FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}  # model_type -> class prefix
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,18 @@ class TinyModelSpec:
     reward_model: bool = False
     """Write a sequence-classification reward model (`score.weight` [1, hidden]) instead of a
     causal LM."""
+    head_dim: int | None = None
+    """None: hidden / heads."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """More config fields, e.g. `rope_scaling` for Llama-3.1's frequency scaling."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}")
-        if self.hidden // self.heads < 32:
+        if (self.head_dim or self.hidden // self.heads) < 32:
             raise ValueError(
-                f"head dim {self.hidden // self.heads} < 32: vLLM's CPU attention refuses it; "
-                "raise --hidden or lower --heads"
+                f"head dim {self.head_dim or self.hidden // self.heads} < 32: vLLM's CPU "
+                "attention refuses it; raise --hidden or lower --heads"
             )
         if self.heads % self.kv_heads:
             raise ValueError(
@@ -100,8 +106,10 @@ class TinyModelSpec:
             raise ValueError(
                 f"--chat-template {self.chat_template!r}: expected one of {sorted(TEMPLATES)}"
             )
-        if self.model_type not in ("qwen2", "llama"):
-            raise ValueError(f"--model-type {self.model_type!r}: expected qwen2 or llama")
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"--model-type {self.model_type!r}: expected one of {sorted(FAMILIES)}"
+            )
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -145,11 +153,15 @@ def build_model(spec: TinyModelSpec, tokenizer):
     import torch
     import transformers
 
-    family = {"qwen2": "Qwen2", "llama": "Llama"}[spec.model_type]
+    family = FAMILIES[spec.model_type]
     config_cls = getattr(transformers, f"{family}Config")
     head = "ForSequenceClassification" if spec.reward_model else "ForCausalLM"
     model_cls = getattr(transformers, family + head)
     eos = tokenizer.eos_token_id
+    # Qwen3's config defaults head_dim to 128, not hidden / heads; Qwen2's has no such field.
+    head_dim = {}
+    if spec.head_dim or spec.model_type != "qwen2":
+        head_dim = {"head_dim": spec.head_dim or spec.hidden // spec.heads}
     config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
@@ -166,6 +178,8 @@ def build_model(spec: TinyModelSpec, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
         num_labels=1,
+        **head_dim,
+        **spec.config_overrides,
     )
     torch.manual_seed(spec.seed)
     model = model_cls(config).to(torch.float32)
@@ -217,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     d = TinyModelSpec()
-    p.add_argument("--model-type", default=d.model_type, choices=["qwen2", "llama"])
+    p.add_argument("--model-type", default=d.model_type, choices=sorted(FAMILIES))
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--heads", type=int, default=d.heads)

@@ -1,0 +1,233 @@
+"""Read a Hugging Face `config.json` into a `ModelArchitecture`: every field is either mapped
+exactly, known not to change the computation, or refused with its name and value.
+
+Supported families (dense decoders with RMSNorm, SwiGLU, RoPE, GQA):
+- `qwen2` (Qwen2 / Qwen2.5): q/k/v biases;
+- `qwen3` (Qwen3 dense): per-head RMSNorm on queries and keys (qk-norm), explicit head_dim;
+- `llama` (Llama-2, Llama-3, Llama-3.1/3.2 with `llama3` rope scaling).
+
+Refused, with the reason: MoE families (Qwen2-MoE, Qwen3-MoE, Mixtral), Mistral, rope types
+megatron-core cannot reproduce here (yarn, dynamic, longrope), sliding-window attention where a
+window is shorter than the context, activations other than SiLU (vLLM's Llama/Qwen MLP computes
+SiLU only), biases megatron-core cannot place (Llama's `attention_bias` / `mlp_bias`, Qwen3's
+`attention_bias`: megatron-core's `add_bias_linear` biases o_proj and the MLP together), dropout
+(RL trains the policy it samples from, so it trains without dropout), and any field this module
+does not know. Pure Python: no torch or Megatron import.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+REFUSED_MODEL_TYPES = {
+    "qwen2_moe": "mixture-of-experts models are not supported yet",
+    "qwen3_moe": "mixture-of-experts models are not supported yet",
+    "mixtral": "mixture-of-experts models are not supported yet",
+    "deepseek_v3": "mixture-of-experts models are not supported yet",
+    "mistral": "Mistral's sliding-window attention is not supported",
+}
+
+# Read into the architecture (or checked below).
+_MAPPED = {
+    "model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+    "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
+    "tie_word_embeddings", "initializer_range", "hidden_act", "attention_dropout",
+}  # fmt: skip
+_FAMILY_FIELDS = {
+    "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+    "qwen3": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+              "attention_bias"},
+    "llama": {"attention_bias", "mlp_bias", "pretraining_tp"},
+}  # fmt: skip
+# Fields every transformers config may carry that do not change the model's computation:
+# names, token ids, dtype, output switches, generation defaults (older configs saved them all).
+_HARMLESS = {
+    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+    "use_cache", "return_dict", "output_attentions", "output_hidden_states", "torchscript",
+    "use_bfloat16", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "prefix",
+    "task_specific_params", "tokenizer_class", "keys_to_ignore_at_inference", "tf_legacy_loss",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "pruned_heads",
+}  # fmt: skip
+# rope type -> the keys its parameters may have (besides rope_type/type and rope_theta).
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}  # fmt: skip
+
+
+class _Config:
+    """A config dict with the file it came from, for messages that name both."""
+
+    def __init__(self, config: dict[str, Any], source: str):
+        self.data, self.source = config, source
+        self.model_type = config.get("model_type")
+
+    def refuse(self, field: str, why: str):
+        value = self.data.get(field)
+        raise ValueError(
+            f"{self.source}: {field}={value!r} is not supported for "
+            f"model_type={self.model_type}: {why}"
+        )
+
+    def required(self, name: str) -> Any:
+        if name not in self.data:
+            raise ValueError(
+                f"{self.source}: missing field {name!r} for model_type={self.model_type}"
+            )
+        return self.data[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.data.get(name)
+        return default if value is None else value
+
+
+def read_hf_config(config: dict[str, Any] | str | Path) -> ModelArchitecture:
+    """A Hugging Face `config.json` (a dict, the file, or its directory) -> ModelArchitecture.
+
+    Raises ValueError naming the file, the field and its value for anything not reproduced
+    exactly; FileNotFoundError when there is no config.
+    """
+    c = _Config(*_load(config))
+    if c.model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(
+            f"{c.source}: model_type={c.model_type!r} is not supported: "
+            f"{REFUSED_MODEL_TYPES[c.model_type]}"
+        )
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{c.source}: model_type={c.model_type!r} is not supported; "
+            f"expected one of {SUPPORTED_MODEL_TYPES}"
+        )
+    known = _MAPPED | _FAMILY_FIELDS[c.model_type] | _HARMLESS
+    unknown = sorted(k for k in c.data if k not in known)
+    if unknown:
+        c.refuse(
+            unknown[0],
+            f"megatron_rl does not read this field (unread: {unknown}); remove it from "
+            "config.json only if it does not change the model's computation",
+        )
+    _check_computation(c)
+    heads, hidden = c.required("num_attention_heads"), c.required("hidden_size")
+    rope = _rope(c)
+    return ModelArchitecture(
+        model_type=c.model_type,
+        num_layers=c.required("num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=c.required("intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim", hidden // heads),
+        vocab_size=c.required("vocab_size"),
+        max_position_embeddings=c.required("max_position_embeddings"),
+        norm_epsilon=float(c.required("rms_norm_eps")),
+        # Qwen2's q/k/v projections always carry biases (its config has no switch for it).
+        qkv_bias=c.model_type == "qwen2",
+        qk_layernorm=c.model_type == "qwen3",
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        init_method_std=float(c.get("initializer_range", 0.02)),
+        **rope,
+    )
+
+
+def _load(config) -> tuple[dict[str, Any], str]:
+    if isinstance(config, dict):
+        return config, "<dict>"
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text()), str(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"no Hugging Face config at {path}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _check_computation(c: _Config) -> None:
+    """Refuse every field whose value changes the computation in a way we do not reproduce."""
+    if c.get("hidden_act", "silu") != "silu":
+        c.refuse("hidden_act", "only 'silu' (SwiGLU) is computed, as vLLM's Llama/Qwen MLP does")
+    if float(c.get("attention_dropout", 0.0)) != 0.0:
+        c.refuse("attention_dropout", "the policy is trained without dropout; set it to 0.0")
+    for field in ("attention_bias", "mlp_bias"):
+        if c.get(field, False):
+            c.refuse(
+                field,
+                "megatron-core adds linear biases to o_proj and the MLP together "
+                "(add_bias_linear), so this family's bias layout cannot be reproduced",
+            )
+    if c.get("pruned_heads", {}):
+        c.refuse("pruned_heads", "pruned attention heads are not supported")
+    _check_sliding_window(c)
+
+
+def _check_sliding_window(c: _Config) -> None:
+    """Sliding-window layers are refused unless the window covers the whole context (then
+    they compute full attention). Both spellings: `layer_types` (transformers >= 4.53) and
+    `use_sliding_window` + `max_window_layers` (layers from that index on slide)."""
+    window = c.get("sliding_window")
+    if window is None or window >= c.required("max_position_embeddings"):
+        return
+    layer_types = c.data.get("layer_types")
+    if layer_types is not None:
+        if "sliding_attention" in layer_types:
+            c.refuse(
+                "layer_types",
+                f"sliding-window attention (window {window} < max_position_embeddings) "
+                "is not supported",
+            )
+        return
+    if c.get("use_sliding_window", False) and c.get("max_window_layers", 0) < c.required(
+        "num_hidden_layers"
+    ):
+        c.refuse(
+            "use_sliding_window",
+            f"sliding-window attention (window {window} < max_position_embeddings) "
+            "is not supported",
+        )
+
+
+def _rope(c: _Config) -> dict[str, Any]:
+    """Rope fields of ModelArchitecture from either spelling: `rope_scaling` + `rope_theta`
+    (transformers 4) or `rope_parameters` (transformers 5, theta inside)."""
+    field = "rope_parameters" if c.data.get("rope_parameters") else "rope_scaling"
+    params = dict(c.get(field, {}))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)  # old configs carry both spellings
+    theta = params.pop("rope_theta", None) or c.get("rope_theta", 10000.0)
+    if rope_type not in _ROPE_KEYS:
+        c.refuse(
+            field,
+            f"rope type {rope_type!r} is not supported (supported: {sorted(_ROPE_KEYS)})",
+        )
+    extra = sorted(set(params) - _ROPE_KEYS[rope_type])
+    if extra:
+        c.refuse(field, f"rope type {rope_type!r} with {extra} is not reproduced")
+    missing = sorted(_ROPE_KEYS[rope_type] - set(params))
+    if missing:
+        c.refuse(field, f"rope type {rope_type!r} needs {missing}")
+    out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if rope_type != "default":
+        out["rope_factor"] = float(params["factor"])
+    if rope_type == "llama3":
+        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        out["rope_original_max_position_embeddings"] = int(
+            params["original_max_position_embeddings"]
+        )
+    return out
