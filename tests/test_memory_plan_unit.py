@@ -27,10 +27,27 @@ RECIPE_32B = REPO / "examples/qwen2.5-32b/vapo.yaml"
 @pytest.mark.parametrize(
     "preset, published",
     # Parameter counts of the Hugging Face checkpoints (model cards / safetensors index).
-    [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-7b", 7_615_616_512), ("qwen2.5-32b", 32_763_876_352)],
+    [
+        ("qwen2.5-0.5b", 494_032_768),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("qwen2.5-32b", 32_763_876_352),
+        ("llama-3.1-8b", 8_030_261_248),
+    ],
 )
 def test_preset_parameter_counts_match_the_published_models(preset, published):
     assert param_count(preset_arch(preset)) == published
+
+
+@pytest.mark.parametrize(
+    "preset, total_b, non_embedding_b",
+    [("qwen3-8b", 8.2, 6.95), ("qwen3-32b", 32.8, 31.2)],  # the model cards' rounded counts
+)
+def test_qwen3_counts_match_the_model_cards(preset, total_b, non_embedding_b):
+    arch = preset_arch(preset)
+    total = param_count(arch) / 1e9
+    embeddings = 2 * arch.vocab_size * arch.hidden_size / 1e9
+    assert total == pytest.approx(total_b, abs=0.05)  # within the card's rounding
+    assert total - embeddings == pytest.approx(non_embedding_b, abs=0.005)
 
 
 def test_one_gpu_holds_the_whole_model_with_its_padded_vocabulary():

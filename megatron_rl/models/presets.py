@@ -27,6 +27,22 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-32b": dict(_QWEN2, num_hidden_layers=64, hidden_size=5120, intermediate_size=27648,
                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                         tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
+                     rms_norm_eps=1e-6, num_hidden_layers=36, hidden_size=4096,
+                     intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
+                      rms_norm_eps=1e-6, num_hidden_layers=64, hidden_size=5120,
+                      intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, num_hidden_layers=32, hidden_size=4096,
+                         intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
 }  # fmt: skip
 
 

@@ -4,24 +4,33 @@ import pytest
 import torch
 
 from megatron_rl.launch import run_torchrun
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_mapping import expected_hf_shapes
 
 pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
 
 @pytest.mark.parametrize(
-    "layout, vllm_tp, bucket_mb",
+    "family, layout, vllm_tp, bucket_mb",
     [
-        ("tp2", 2, 512.0),  # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
-        ("pp2", 1, 0.01),  # Megatron PP=2 -> an engine per rank; buckets < largest tensor (0.24 MB)
+        (
+            "tiny-qwen2",
+            "tp2",
+            2,
+            512.0,
+        ),  # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
+        ("tiny-qwen2", "pp2", 1, 0.01),  # PP=2 -> an engine per rank; buckets < largest tensor
+        ("qwen3", "tp2", 2, 512.0),  # q/k norms reach vLLM too
     ],
 )
 def test_sync_makes_engine_logprobs_equal_the_updated_actor(
-    tiny_model_dir, tmp_path, layout, vllm_tp, bucket_mb
+    tiny_model_dir, family_dir, tmp_path, family, layout, vllm_tp, bucket_mb
 ):
     out = tmp_path / "sync.pt"
+    hf_dir = tiny_model_dir if family == "tiny-qwen2" else family_dir(family)
     args = [
         "--hf-dir",
-        str(tiny_model_dir),
+        str(hf_dir),
         "--out",
         str(out),
         "--layout",
@@ -37,7 +46,8 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
     assert r["gap_before_sync"] <= 1e-4  # same HF weights in both at the start
     assert r["change_from_sync"] > 0.05  # two optimizer steps moved the policy ...
     assert r["gap_after_sync"] <= 1e-4  # ... and the engine now computes the actor's log-probs
-    assert r["stats"]["tensors"] == 51
+    arch = ModelArchitecture.from_hf_config(hf_dir)
+    assert r["stats"]["tensors"] == len(expected_hf_shapes(arch))  # every tensor, once
 
 
 def test_logprob_diff_tool_reports_the_gap(tiny_model_dir):

@@ -1,0 +1,178 @@
+"""Unit tier: every Hugging Face config field is mapped, known to be harmless, or refused by
+name and value; every checkpoint tensor is mapped or the checkpoint is refused."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
+
+# Published config.json files, verbatim but for the comments (transformers 4 spelling:
+# rope_theta and rope_scaling at the top level).
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+QWEN2_5_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584,
+    "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+}  # fmt: skip
+
+
+def test_published_configs_read_exactly():
+    llama = read_hf_config(LLAMA_3_1_8B)
+    assert (llama.rope_type, llama.rope_factor, llama.rope_original_max_position_embeddings) == (
+        "llama3",
+        8.0,
+        8192,
+    )
+    assert llama.rope_theta == 500000.0 and not llama.qkv_bias and not llama.qk_layernorm
+    qwen3 = read_hf_config(QWEN3_8B)
+    assert qwen3.qk_layernorm and not qwen3.qkv_bias and qwen3.head_dim == 128
+    assert qwen3.rope_type == "default" and qwen3.rope_theta == 1e6
+    qwen2 = read_hf_config(QWEN2_5_7B)
+    assert qwen2.qkv_bias and qwen2.head_dim == 128 and qwen2.num_query_groups == 4
+
+
+def test_both_rope_spellings_give_the_same_architecture():
+    """transformers 5 writes `rope_parameters` with theta inside; 4 wrote rope_scaling +
+    rope_theta. The transformers-5 dict of the same model reads the same."""
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_3_1_8B.items()})
+    new_spelling = config.to_dict()
+    assert "rope_parameters" in new_spelling and new_spelling.get("rope_scaling") is None
+    assert read_hf_config(new_spelling) == read_hf_config(LLAMA_3_1_8B)
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Llama"])
+def test_every_field_transformers_writes_is_known(family):
+    """The full dict (not only the non-default fields save_pretrained writes) is accepted:
+    no field of the locked transformers version is unknown to the reader."""
+    full = getattr(transformers, f"{family}Config")().to_dict()
+    assert read_hf_config(full).model_type == family.lower()
+
+
+def changed(base: dict, **fields) -> dict:
+    return {**base, **fields}
+
+
+REFUSED = [
+    (changed(LLAMA_3_1_8B, attention_bias=True), r"attention_bias=True .*add_bias_linear"),
+    (changed(LLAMA_3_1_8B, mlp_bias=True), r"mlp_bias=True"),
+    (changed(QWEN3_8B, attention_bias=True), r"attention_bias=True"),
+    (changed(LLAMA_3_1_8B, hidden_act="gelu"), r"hidden_act='gelu'.*silu"),
+    (changed(QWEN2_5_7B, attention_dropout=0.1), r"attention_dropout=0.1"),
+    (
+        changed(QWEN2_5_7B, use_sliding_window=True, sliding_window=4096, max_window_layers=0),
+        r"use_sliding_window=True.*window 4096",
+    ),
+    (
+        changed(QWEN3_8B, sliding_window=4096, layer_types=["sliding_attention"] * 36),
+        r"layer_types=.*sliding-window",
+    ),
+    (
+        changed(QWEN2_5_7B, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+        r"rope_scaling=.*rope type 'yarn' is not supported",
+    ),
+    (
+        changed(LLAMA_3_1_8B, rope_scaling={"type": "dynamic", "factor": 2.0}),
+        r"rope type 'dynamic'",
+    ),
+    (
+        changed(LLAMA_3_1_8B, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        r"needs \['high_freq_factor', 'low_freq_factor', 'original_max_position_embeddings'\]",
+    ),
+    (
+        changed(LLAMA_3_1_8B, rope_scaling={"rope_type": "linear", "factor": 2.0, "beta": 1}),
+        r"rope type 'linear' with \['beta'\] is not reproduced",
+    ),
+    (changed(QWEN3_8B, quantization_config={"quant_method": "fp8"}), r"quantization_config="),
+    (changed(QWEN2_5_7B, attention_bias=True), r"attention_bias=True .* does not read"),
+    (changed(QWEN3_8B, model_type="qwen3_moe"), r"qwen3_moe.*mixture-of-experts"),
+    (changed(LLAMA_3_1_8B, model_type="mixtral"), r"mixtral.*mixture-of-experts"),
+    (changed(LLAMA_3_1_8B, model_type="mistral"), r"mistral.*sliding-window"),
+]
+
+
+@pytest.mark.parametrize("config, message", REFUSED, ids=[m for _, m in REFUSED])
+def test_what_is_not_reproduced_is_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        read_hf_config(config)
+
+
+def test_a_window_covering_the_context_is_full_attention():
+    config = changed(QWEN2_5_7B, use_sliding_window=True, sliding_window=32768, max_window_layers=0)
+    assert read_hf_config(config) == read_hf_config(QWEN2_5_7B)
+
+
+def test_refusals_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(changed(QWEN3_8B, attention_dropout=0.5)))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: attention_dropout=0.5"):
+        ModelArchitecture.from_hf_config(tmp_path)
+
+
+def checkpoint_with(src, dst, config_changes=None, **extra_tensors):
+    """A copy of checkpoint `src` with more tensors (and config fields)."""
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    save_file({**weights, **extra_tensors}, dst / "model.safetensors")
+    if config_changes:
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dst
+
+
+def test_a_tensor_nothing_maps_is_refused_by_name(tiny_model_dir, tmp_path):
+    bias = {"model.layers.1.self_attn.o_proj.bias": torch.zeros(128)}
+    hf = checkpoint_with(tiny_model_dir, tmp_path / "hf", **bias)
+    arch = ModelArchitecture.from_hf_config(hf)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) .* model.layers.1.self_attn.o_proj.bias"):
+        validate_hf_checkpoint(HFCheckpointReader(hf), arch)
+
+
+def test_rotary_buffers_of_old_checkpoints_are_not_weights(tiny_model_dir, tmp_path):
+    buffer = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}
+    hf = checkpoint_with(tiny_model_dir, tmp_path / "hf", **buffer)
+    validate_hf_checkpoint(HFCheckpointReader(hf), ModelArchitecture.from_hf_config(hf))
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_checkpoint_may_carry_its_lm_head_only_if_equal(tiny_tied_model_dir, tmp_path, same):
+    embed = HFCheckpointReader(tiny_tied_model_dir)("model.embed_tokens.weight")
+    head = embed.clone() if same else embed + 1
+    hf = checkpoint_with(tiny_tied_model_dir, tmp_path / "hf", **{"lm_head.weight": head})
+    arch = ModelArchitecture.from_hf_config(hf)
+    if same:
+        validate_hf_checkpoint(HFCheckpointReader(hf), arch)
+    else:
+        with pytest.raises(ValueError, match="lm_head.weight differs"):
+            validate_hf_checkpoint(HFCheckpointReader(hf), arch)
