@@ -34,6 +34,8 @@ SUPPORTED = {
         seed=18,
         config_overrides=dict(rope_scaling=dict(LLAMA3_ROPE, factor=32.0)),
     ),
+    # Biases on every projection (megatron-core's add_bias_linear + add_qkv_bias).
+    "llama-biases": _llama(seed=20, config_overrides=dict(attention_bias=True, mlp_bias=True)),
     "llama-linear-rope": _llama(
         seed=19, config_overrides=dict(rope_scaling=dict(rope_type="linear", factor=2.0))
     ),

@@ -35,6 +35,8 @@ class ModelArchitecture:
     qkv_bias: bool
     tie_word_embeddings: bool
     init_method_std: float = 0.02
+    linear_bias: bool = False
+    """Biases on o_proj and the MLP projections (Llama with attention_bias and mlp_bias)."""
     qk_layernorm: bool = False
     """Qwen3: RMSNorm over head_dim on each query and key head before RoPE."""
     rope_type: str = "default"

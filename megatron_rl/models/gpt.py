@@ -201,7 +201,7 @@ def transformer_config(
         layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,

@@ -9,8 +9,9 @@ Supported families (dense decoders with RMSNorm, SwiGLU, RoPE, GQA):
 Refused, with the reason: MoE families (Qwen2-MoE, Qwen3-MoE, Mixtral), Mistral, rope types
 megatron-core cannot reproduce here (yarn, dynamic, longrope), sliding-window attention where a
 window is shorter than the context, activations other than SiLU (vLLM's Llama/Qwen MLP computes
-SiLU only), biases megatron-core cannot place (Llama's `attention_bias` / `mlp_bias`, Qwen3's
-`attention_bias`: megatron-core's `add_bias_linear` biases o_proj and the MLP together), dropout
+SiLU only), biases megatron-core cannot place (Llama's `attention_bias` without `mlp_bias` or
+the reverse, Qwen3's `attention_bias`: megatron-core's `add_bias_linear` biases o_proj and the
+MLP together; Llama with both maps exactly), dropout
 (RL trains the policy it samples from, so it trains without dropout), and any field this module
 does not know. Pure Python: no torch or Megatron import.
 """
@@ -136,7 +137,8 @@ def read_hf_config(config: dict[str, Any] | str | Path) -> ModelArchitecture:
         max_position_embeddings=c.required("max_position_embeddings"),
         norm_epsilon=float(c.required("rms_norm_eps")),
         # Qwen2's q/k/v projections always carry biases (its config has no switch for it).
-        qkv_bias=c.model_type == "qwen2",
+        qkv_bias=c.model_type == "qwen2" or bool(c.get("attention_bias", False)),
+        linear_bias=bool(c.get("mlp_bias", False)),
         qk_layernorm=c.model_type == "qwen3",
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         init_method_std=float(c.get("initializer_range", 0.02)),
@@ -164,13 +166,15 @@ def _check_computation(c: _Config) -> None:
         c.refuse("hidden_act", "only 'silu' (SwiGLU) is computed, as vLLM's Llama/Qwen MLP does")
     if float(c.get("attention_dropout", 0.0)) != 0.0:
         c.refuse("attention_dropout", "the policy is trained without dropout; set it to 0.0")
-    for field in ("attention_bias", "mlp_bias"):
-        if c.get(field, False):
-            c.refuse(
-                field,
-                "megatron-core adds linear biases to o_proj and the MLP together "
-                "(add_bias_linear), so this family's bias layout cannot be reproduced",
-            )
+    # megatron-core biases o_proj and the MLP together (add_bias_linear): Llama with both
+    # switches on maps exactly, one without the other cannot be expressed.
+    attention_bias = bool(c.get("attention_bias", False))
+    if attention_bias != bool(c.get("mlp_bias", False)):  # Qwen3 has no mlp_bias: never biased
+        c.refuse(
+            "attention_bias" if attention_bias else "mlp_bias",
+            "megatron-core adds linear biases to o_proj and the MLP together "
+            "(add_bias_linear), so biases on one and not the other cannot be reproduced",
+        )
     if c.get("pruned_heads", {}):
         c.refuse("pruned_heads", "pruned attention heads are not supported")
     _check_sliding_window(c)

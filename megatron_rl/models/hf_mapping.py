@@ -40,6 +40,11 @@ _LAYER_DIRECT = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3 qk-norm
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# Biases of the row-parallel projections (Llama with attention_bias and mlp_bias).
+_ROW_BIAS = {
+    "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
+}
 # Non-parameter buffers older Llama checkpoints saved; recomputed from the config.
 _BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -124,11 +129,14 @@ def megatron_shard_from_hf(
         return column(fuse_qkv(*qkv, arch))
     if suffix == "self_attention.linear_proj.weight":
         return row(get_hf(prefix + "self_attn.o_proj.weight"))
-    if suffix == "mlp.linear_fc1.weight":
-        gate, up = get_hf(prefix + "mlp.gate_proj.weight"), get_hf(prefix + "mlp.up_proj.weight")
+    if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        gate, up = get_hf(f"{prefix}mlp.gate_proj.{kind}"), get_hf(f"{prefix}mlp.up_proj.{kind}")
         return fc1_shard(gate, up, tp_rank, tp_size)
     if suffix == "mlp.linear_fc2.weight":
         return row(get_hf(prefix + "mlp.down_proj.weight"))
+    if suffix in _ROW_BIAS:  # added after the row-parallel reduction: whole on every rank
+        return get_hf(prefix + _ROW_BIAS[suffix])
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
@@ -165,11 +173,14 @@ def hf_tensors_from_megatron(
         }
     if suffix == "self_attention.linear_proj.weight":
         return {prefix + "self_attn.o_proj.weight": torch.cat(shards, dim=1)}
-    if suffix == "mlp.linear_fc1.weight":
+    if suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        kind = suffix.rsplit(".", 1)[1]
         gate, up = split_fc1_shards(shards)
-        return {prefix + "mlp.gate_proj.weight": gate, prefix + "mlp.up_proj.weight": up}
+        return {f"{prefix}mlp.gate_proj.{kind}": gate, f"{prefix}mlp.up_proj.{kind}": up}
     if suffix == "mlp.linear_fc2.weight":
         return {prefix + "mlp.down_proj.weight": torch.cat(shards, dim=1)}
+    if suffix in _ROW_BIAS:
+        return {prefix + _ROW_BIAS[suffix]: shards[0]}
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
@@ -202,6 +213,15 @@ def expected_hf_shapes(arch: ModelArchitecture, role: str = "actor") -> dict[str
                 p + "mlp.down_proj.weight": (h, ffn),
             }
         )
+        if arch.linear_bias:
+            shapes.update(
+                {
+                    p + "self_attn.o_proj.bias": (h,),
+                    p + "mlp.gate_proj.bias": (ffn,),
+                    p + "mlp.up_proj.bias": (ffn,),
+                    p + "mlp.down_proj.bias": (h,),
+                }
+            )
         if arch.qk_layernorm:
             shapes[p + "self_attn.q_norm.weight"] = (arch.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)

@@ -66,14 +66,18 @@ def resolve_arch(model: str) -> ModelArchitecture:
 
 def layer_param_count(arch: ModelArchitecture, tp: int = 1) -> int:
     """Parameters of one transformer layer on one of `tp` tensor-parallel ranks: QKV (+ bias),
-    output projection and SwiGLU MLP are split, the norms (and Qwen3's q/k norms) replicated."""
+        output projection and SwiGLU MLP are split; the norms (and Qwen3's q/k norms) and the
+    row-parallel biases replicated."""
     h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
     split = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
     if arch.qkv_bias:
         split += q + 2 * kv
-    qk_norms = 2 * arch.head_dim if arch.qk_layernorm else 0
-    return split // tp + 2 * h + qk_norms
+    replicated = 2 * h + (2 * arch.head_dim if arch.qk_layernorm else 0)
+    if arch.linear_bias:  # o_proj and down_proj biases whole on every rank, gate/up split
+        split += 2 * arch.ffn_hidden_size
+        replicated += 2 * h
+    return split // tp + replicated
 
 
 def param_count(arch: ModelArchitecture) -> int:

@@ -87,7 +87,7 @@ def changed(base: dict, **fields) -> dict:
 
 REFUSED = [
     (changed(LLAMA_3_1_8B, attention_bias=True), r"attention_bias=True .*add_bias_linear"),
-    (changed(LLAMA_3_1_8B, mlp_bias=True), r"mlp_bias=True"),
+    (changed(LLAMA_3_1_8B, mlp_bias=True), r"mlp_bias=True.*one and not the other"),
     (changed(QWEN3_8B, attention_bias=True), r"attention_bias=True"),
     (changed(LLAMA_3_1_8B, hidden_act="gelu"), r"hidden_act='gelu'.*silu"),
     (changed(QWEN2_5_7B, attention_dropout=0.1), r"attention_dropout=0.1"),
@@ -127,6 +127,11 @@ REFUSED = [
 def test_what_is_not_reproduced_is_refused_by_name(config, message):
     with pytest.raises(ValueError, match=message):
         read_hf_config(config)
+
+
+def test_llama_biased_everywhere_is_supported():
+    arch = read_hf_config(changed(LLAMA_3_1_8B, attention_bias=True, mlp_bias=True))
+    assert arch.qkv_bias and arch.linear_bias
 
 
 def test_a_window_covering_the_context_is_full_attention():

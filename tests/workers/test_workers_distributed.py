@@ -121,20 +121,24 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert abs(s["actor_metrics"]["entropy"] - torch.log(torch.tensor(500.0)).item()) < 0.1
 
 
-@pytest.fixture(scope="module")
-def qwen3_results(family_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("workers_qwen3")
-    args = ["--hf-dir", str(family_dir("qwen3")), "--out-dir", str(out)]
+@pytest.fixture(scope="module", params=["qwen3", "llama-biases"])
+def family_results(request, family_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("workers_family")
+    args = ["--hf-dir", str(family_dir(request.param)), "--out-dir", str(out)]
     run_torchrun("tests.torchrun.actor_critic", [*args, "--layouts", "dp2-mb2,tp2,tp2-sp"])
     return {name: merge(out, name) for name in ["dp2-mb2", "tp2", "tp2-sp"]}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
-def test_qk_norm_gradients_are_summed_over_tensor_parallel_ranks(qwen3_results, layout):
-    """Qwen3's q/k norms are shared by every head, and TP splits the heads: each rank's
-    gradient is partial until megatron sums it over the TP group (finalize_model_grads)."""
-    reference = qwen3_results["dp2-mb2"]["grads"]["token-mean+nll"]
-    assert "model.layers.0.self_attn.q_norm.weight" in reference
-    assert relative_max_diff(reference, qwen3_results[layout]["grads"]["token-mean+nll"]) <= 1e-5
-    critic = qwen3_results["dp2-mb2"]["critic_grads"]
-    assert relative_max_diff(critic, qwen3_results[layout]["critic_grads"]) <= 1e-5
+def test_replicated_parameters_gradients_are_summed_over_tensor_parallel_ranks(
+    family_results, layout
+):
+    """Qwen3's q/k norms are shared by every head, and TP splits the heads; Llama's o_proj
+    and down_proj biases are added whole on every rank (on its sequence shard under SP): each
+    rank's gradient is partial until megatron sums it over the TP group."""
+    reference = family_results["dp2-mb2"]["grads"]["token-mean+nll"]
+    shared = {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.o_proj.bias"}
+    assert shared & reference.keys()
+    assert relative_max_diff(reference, family_results[layout]["grads"]["token-mean+nll"]) <= 1e-5
+    critic = family_results["dp2-mb2"]["critic_grads"]
+    assert relative_max_diff(critic, family_results[layout]["critic_grads"]) <= 1e-5
