@@ -67,7 +67,9 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(results, family_dir, f
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", ["qwen3", "llama-3.1", "llama-biases"])
+@pytest.mark.parametrize(
+    "family", ["qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope"]
+)
 def test_vllm_greedy_tokens_are_transformers_argmax(family_dir, tmp_path, family):
     """vLLM greedy-decodes 80 tokens; fed back through transformers, each is its argmax (or
     within 1e-4 of it: a near-tie may fall either way on other kernels)."""
