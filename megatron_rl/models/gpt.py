@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel builders for Qwen2/Llama-family architectures.
+"""Megatron-core GPTModel builders for Qwen2/Qwen3/Llama-family architectures.
 
 `build_gpt_model_chunks(arch, layout)` returns this rank's model chunks (one per virtual
 pipeline stage): RMSNorm, SwiGLU, RoPE with the Hugging Face theta and scaling (linear,

@@ -66,19 +66,26 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(results, family_dir, f
     assert (unscaled - results[family]["tp1"]).abs().max() > 1e-3
 
 
+GREEDY_FAMILIES = ["qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope"]
+
+
+@pytest.fixture(scope="module")
+def vllm_greedy(family_dir, tmp_path_factory):
+    """vLLM's greedy responses for GREEDY_FAMILIES, from one process with its own engines."""
+    out = tmp_path_factory.mktemp("vllm_greedy")
+    dirs = [str(family_dir(name)) for name in GREEDY_FAMILIES]
+    cmd = [sys.executable, "-m", "tests.torchrun.vllm_greedy", str(out), *dirs]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=900)
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in GREEDY_FAMILIES}
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize(
-    "family", ["qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope"]
-)
-def test_vllm_greedy_tokens_are_transformers_argmax(family_dir, tmp_path, family):
+@pytest.mark.parametrize("family", GREEDY_FAMILIES)
+def test_vllm_greedy_tokens_are_transformers_argmax(vllm_greedy, family_dir, family):
     """vLLM greedy-decodes 80 tokens; fed back through transformers, each is its argmax (or
     within 1e-4 of it: a near-tie may fall either way on other kernels)."""
-    hf_dir = family_dir(family)
-    out = tmp_path / "greedy.json"
-    cmd = [sys.executable, "-m", "tests.torchrun.vllm_greedy", str(hf_dir), str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    for prompt, response in json.loads(out.read_text()):
+    model = AutoModelForCausalLM.from_pretrained(family_dir(family), dtype=torch.float32)
+    for prompt, response in vllm_greedy[family]:
         assert len(response) == 80
         ids = torch.tensor([prompt + response])
         with torch.no_grad():
