@@ -39,4 +39,29 @@ SUPPORTED = {
     "llama-linear-rope": _llama(
         seed=19, config_overrides=dict(rope_scaling=dict(rope_type="linear", factor=2.0))
     ),
+    # YaRN as Qwen2.5's model card sets it (old spelling), with a 32-token original context.
+    "qwen2.5-yarn": TinyModelSpec(
+        layers=2,
+        seed=21,
+        config_overrides=dict(
+            rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32)
+        ),
+    ),
+    # Every YaRN parameter away from its default.
+    "qwen3-yarn": TinyModelSpec(
+        model_type="qwen3",
+        layers=2,
+        seed=22,
+        config_overrides=dict(
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=8.0,
+                original_max_position_embeddings=32,
+                beta_fast=16.0,
+                beta_slow=2.0,
+                attention_factor=1.25,
+                truncate=False,
+            )
+        ),
+    ),
 }

@@ -40,11 +40,17 @@ class ModelArchitecture:
     qk_layernorm: bool = False
     """Qwen3: RMSNorm over head_dim on each query and key head before RoPE."""
     rope_type: str = "default"
-    """"default", "linear" (positions / factor) or "llama3" (Llama-3.1 frequency scaling)."""
+    """"default", "linear" (positions / factor), "llama3" (Llama-3.1 frequency scaling) or
+    "yarn" (YaRN, `megatron_rl.models.rope`)."""
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 1.0
+    """YaRN: cos and sin are scaled by it, so attention logits by its square."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups != 0:

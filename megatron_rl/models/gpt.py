@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.rope import yarn_inv_freq
 from megatron_rl.platform import ParallelLayout
 
 
@@ -204,6 +205,10 @@ def transformer_config(
         add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_layernorm,
+        # YaRN multiplies cos and sin by the attention factor, i.e. q.k by its square.
+        softmax_scale=arch.rope_attention_factor**2 / math.sqrt(arch.head_dim)
+        if arch.rope_attention_factor != 1.0
+        else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
@@ -255,20 +260,34 @@ def layer_spec(use_transformer_engine: bool | None = None, qk_layernorm: bool = 
 
 
 def _scale_rope(model, arch: ModelArchitecture) -> None:
-    """Llama-3.1's frequency scaling with the config's factors. megatron-core's own
-    `rope_scaling=True` hard-codes low/high frequency factors 1/4 and an original context of
-    8192, so the frequencies are rescaled here from the unscaled ones, before any forward
-    (the rotary module caches what it computes)."""
-    if arch.rope_type != "llama3":
-        return
+    """Frequencies of the scaled rope types, set before any forward (the rotary module caches
+    what it computes).
+
+    llama3: megatron-core's own `rope_scaling=True` hard-codes low/high frequency factors 1/4
+    and an original context of 8192, so they are rescaled here with the config's factors.
+    yarn: megatron-core's YarnRotaryEmbedding is CUDA-only, so its frequencies are computed
+    here (`models.rope`) and its attention factor goes into the softmax scale.
+    """
     rope = model.rotary_pos_emb
-    rope.inv_freq = rope._apply_scaling(
-        rope.inv_freq,
-        factor=arch.rope_factor,
-        low_freq_factor=arch.rope_low_freq_factor,
-        high_freq_factor=arch.rope_high_freq_factor,
-        original_max_position_embeddings=arch.rope_original_max_position_embeddings,
-    )
+    if arch.rope_type == "llama3":
+        rope.inv_freq = rope._apply_scaling(
+            rope.inv_freq,
+            factor=arch.rope_factor,
+            low_freq_factor=arch.rope_low_freq_factor,
+            high_freq_factor=arch.rope_high_freq_factor,
+            original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+        )
+    elif arch.rope_type == "yarn":
+        inv_freq = yarn_inv_freq(
+            arch.head_dim,
+            arch.rope_theta,
+            arch.rope_factor,
+            arch.rope_original_max_position_embeddings,
+            arch.rope_beta_fast,
+            arch.rope_beta_slow,
+            arch.rope_truncate,
+        )
+        rope.inv_freq = inv_freq.to(rope.inv_freq.device)
 
 
 def _block_spec(config, layer, vp_stage: int | None, use_transformer_engine: bool):

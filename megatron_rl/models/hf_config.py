@@ -5,15 +5,16 @@ Supported families (dense decoders with RMSNorm, SwiGLU, RoPE, GQA):
 - `qwen2` (Qwen2 / Qwen2.5): q/k/v biases;
 - `qwen3` (Qwen3 dense): per-head RMSNorm on queries and keys (qk-norm), explicit head_dim;
 - `llama` (Llama-2, Llama-3, Llama-3.1/3.2 with `llama3` rope scaling).
+Rope: default, `linear`, `llama3` and `yarn` (Qwen's long-context setting, `models.rope`).
 
 Refused, with the reason: MoE families (Qwen2-MoE, Qwen3-MoE, Mixtral), Mistral, rope types
-megatron-core cannot reproduce here (yarn, dynamic, longrope), sliding-window attention where a
-window is shorter than the context, activations other than SiLU (vLLM's Llama/Qwen MLP computes
-SiLU only), biases megatron-core cannot place (Llama's `attention_bias` without `mlp_bias` or
-the reverse, Qwen3's `attention_bias`: megatron-core's `add_bias_linear` biases o_proj and the
-MLP together; Llama with both maps exactly), dropout
-(RL trains the policy it samples from, so it trains without dropout), and any field this module
-does not know. Pure Python: no torch or Megatron import.
+not reproduced here (dynamic, longrope), sliding-window attention where a window is shorter
+than the context, activations other than SiLU (vLLM's Llama/Qwen MLP computes SiLU only),
+biases megatron-core cannot place (Llama's `attention_bias` without `mlp_bias` or the reverse,
+Qwen3's `attention_bias`: megatron-core's `add_bias_linear` biases o_proj and the MLP
+together; Llama with both maps exactly), dropout (RL trains the policy it samples from, so it
+trains without dropout), and any field this module does not know. No torch or Megatron import
+(the yarn frequencies are computed when the model is built).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.rope import yarn_attention_factor
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 REFUSED_MODEL_TYPES = {
@@ -63,11 +65,13 @@ _HARMLESS = {
     "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
     "suppress_tokens", "begin_suppress_tokens", "pruned_heads",
 }  # fmt: skip
-# rope type -> the keys its parameters may have (besides rope_type/type and rope_theta).
+# rope type -> (the keys its parameters must have, those they may have), besides
+# rope_type/type and rope_theta.
 _ROPE_KEYS = {
-    "default": set(),
-    "linear": {"factor"},
-    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "default": (set(), set()),
+    "linear": ({"factor"}, set()),
+    "llama3": ({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}, set()),
+    "yarn": ({"factor"}, {"original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"}),
 }  # fmt: skip
 
 
@@ -219,10 +223,11 @@ def _rope(c: _Config) -> dict[str, Any]:
             field,
             f"rope type {rope_type!r} is not supported (supported: {sorted(_ROPE_KEYS)})",
         )
-    extra = sorted(set(params) - _ROPE_KEYS[rope_type])
+    required, optional = _ROPE_KEYS[rope_type]
+    extra = sorted(set(params) - required - optional)
     if extra:
         c.refuse(field, f"rope type {rope_type!r} with {extra} is not reproduced")
-    missing = sorted(_ROPE_KEYS[rope_type] - set(params))
+    missing = sorted(required - set(params))
     if missing:
         c.refuse(field, f"rope type {rope_type!r} needs {missing}")
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
@@ -231,7 +236,20 @@ def _rope(c: _Config) -> dict[str, Any]:
     if rope_type == "llama3":
         out["rope_low_freq_factor"] = float(params["low_freq_factor"])
         out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+    if rope_type in ("llama3", "yarn"):
+        # transformers fills a missing original context with max_position_embeddings.
         out["rope_original_max_position_embeddings"] = int(
-            params["original_max_position_embeddings"]
+            params.get("original_max_position_embeddings") or c.required("max_position_embeddings")
+        )
+    if rope_type == "yarn":
+        # As transformers and vLLM read them: a falsy beta means the paper's default.
+        out["rope_beta_fast"] = float(params.get("beta_fast") or 32.0)
+        out["rope_beta_slow"] = float(params.get("beta_slow") or 1.0)
+        out["rope_truncate"] = bool(params.get("truncate", True))
+        out["rope_attention_factor"] = yarn_attention_factor(
+            out["rope_factor"],
+            params.get("attention_factor"),
+            params.get("mscale"),
+            params.get("mscale_all_dim"),
         )
     return out

@@ -1,8 +1,8 @@
 """Distributed tier: every supported Hugging Face family (tests/families.py) gives
 transformers' logits in Megatron at TP=1, TP=2 and TP=2 with sequence parallelism, on 96
-tokens (past the 64-token original context of the Llama-3.1/3.2 rows), and exports back to
-exactly the tensors it was loaded from. The engine side: vLLM greedy-decodes the new families
-as transformers does."""
+tokens (past the 64- and 32-token original contexts of the Llama-3.1/3.2 and yarn rows), and
+exports back to exactly the tensors it was loaded from. The engine side: vLLM greedy-decodes
+the new families as transformers does."""
 
 import json
 import subprocess
@@ -57,7 +57,9 @@ def test_export_gives_back_every_tensor_bit_for_bit(results, family_dir, family)
         assert torch.equal(exported[name], reader(name)), name
 
 
-@pytest.mark.parametrize("family", ["llama-3.1", "llama-3.2", "llama-linear-rope"])
+@pytest.mark.parametrize(
+    "family", ["llama-3.1", "llama-3.2", "llama-linear-rope", "qwen2.5-yarn", "qwen3-yarn"]
+)
 def test_rope_scaling_changes_the_logits_it_is_checked_on(results, family_dir, family):
     """The scaled rows would fail if the scaling were dropped: without it transformers'
     logits move far beyond the tolerance (so the equality above tests the scaling)."""
@@ -66,7 +68,9 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(results, family_dir, f
     assert (unscaled - results[family]["tp1"]).abs().max() > 1e-3
 
 
-GREEDY_FAMILIES = ["qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope"]
+GREEDY_FAMILIES = [
+    "qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope", "qwen3-yarn",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

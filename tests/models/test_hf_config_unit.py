@@ -2,6 +2,7 @@
 name and value; every checkpoint tensor is mapped or the checkpoint is refused."""
 
 import json
+import math
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
+from megatron_rl.models.rope import yarn_inv_freq
 
 # Published config.json files, verbatim but for the comments (transformers 4 spelling:
 # rope_theta and rope_scaling at the top level).
@@ -64,6 +66,60 @@ def test_published_configs_read_exactly():
     assert qwen2.qkv_bias and qwen2.head_dim == 128 and qwen2.num_query_groups == 4
 
 
+# Qwen2.5's model card: "add the following to config.json" for contexts beyond 32,768 tokens.
+QWEN2_5_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+
+
+def test_published_yarn_setting_reads_exactly():
+    arch = read_hf_config(changed(QWEN2_5_7B, rope_scaling=QWEN2_5_YARN))
+    assert (arch.rope_type, arch.rope_factor, arch.rope_original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        32768,
+    )
+    assert (arch.rope_beta_fast, arch.rope_beta_slow, arch.rope_truncate) == (32.0, 1.0, True)
+    assert arch.rope_attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0, rel=1e-12)
+
+
+YARN_VARIANTS = {
+    "qwen-card": dict(factor=4.0, original_max_position_embeddings=32768),
+    "all-keys": dict(
+        factor=8.0,
+        original_max_position_embeddings=4096,
+        beta_fast=16,
+        beta_slow=2,
+        attention_factor=1.25,
+        truncate=False,
+    ),
+    "deepseek-mscale": dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=0.707),
+    "no-original": dict(factor=2.0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", YARN_VARIANTS)
+def test_yarn_frequencies_and_attention_factor_are_transformers(variant):
+    """What the trainer computes (`models.rope`) against what transformers computes, for
+    every way a config can set them. (vLLM's side: the greedy test of the yarn family.)"""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = YARN_VARIANTS[variant]
+    config = transformers.Qwen2Config(
+        hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, **params},
+    )  # fmt: skip
+    arch = read_hf_config(config.to_dict())
+    ours = yarn_inv_freq(
+        arch.head_dim, arch.rope_theta, arch.rope_factor,
+        arch.rope_original_max_position_embeddings,
+        arch.rope_beta_fast, arch.rope_beta_slow, arch.rope_truncate,
+    )  # fmt: skip
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert torch.equal(ours, hf_inv_freq)
+    assert arch.rope_attention_factor == pytest.approx(hf_factor, rel=1e-12)
+    # Not the plain frequencies: the variant scales some of them.
+    assert not torch.allclose(ours, yarn_inv_freq(128, 1e6, 1.0, 4096))
+
+
 def test_both_rope_spellings_give_the_same_architecture():
     """transformers 5 writes `rope_parameters` with theta inside; 4 wrote rope_scaling +
     rope_theta. The transformers-5 dict of the same model reads the same."""
@@ -100,8 +156,21 @@ REFUSED = [
         r"layer_types=.*sliding-window",
     ),
     (
-        changed(QWEN2_5_7B, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-        r"rope_scaling=.*rope type 'yarn' is not supported",
+        changed(QWEN2_5_7B, rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+        r"rope_scaling=.*rope type 'longrope' is not supported",
+    ),
+    (
+        changed(
+            QWEN2_5_7B,
+            rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 32768},
+        ),
+        r"rope type 'yarn' needs \['factor'\]",
+    ),
+    (
+        changed(
+            QWEN2_5_7B, rope_scaling={"rope_type": "yarn", "factor": 4.0, "extrapolation_factor": 1}
+        ),
+        r"rope type 'yarn' with \['extrapolation_factor'\] is not reproduced",
     ),
     (
         changed(LLAMA_3_1_8B, rope_scaling={"type": "dynamic", "factor": 2.0}),
