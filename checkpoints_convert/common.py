@@ -3,31 +3,18 @@ directories, and running a command as its own torchrun workers."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from megatron_rl import fsutil
+from megatron_rl.models import dist_checkpoint
 from megatron_rl.models.architecture import ModelArchitecture
-
-METADATA = "megatron_rl.json"
-"""Top-level file of a converted checkpoint: architecture, role, layout it was saved with."""
-MODEL_SUBDIR = "model"
-"""megatron-core dist_checkpointing (torch_dist) files; loadable at any TP/PP."""
-HF_META_SUBDIR = "hf_meta"
-"""The source's config, generation config and tokenizer files, restored on export."""
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
+from megatron_rl.models.dist_checkpoint import (  # noqa: F401  (the converters' names)
+    HF_META_SUBDIR,
+    METADATA,
+    MODEL_SUBDIR,
+    copy_side_files,
 )
 
 
@@ -60,19 +47,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def copy_side_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in HF_SIDE_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
-
-
 def read_metadata(ckpt_dir: Path) -> tuple[dict, ModelArchitecture]:
-    path = Path(ckpt_dir) / METADATA
-    if not path.exists():
-        fail(f"{path} not found: {ckpt_dir} is not a checkpoint written by hf_to_megatron")
-    meta = json.loads(path.read_text())
-    return meta, ModelArchitecture(**meta["arch"])
+    try:
+        return dist_checkpoint.read_metadata(ckpt_dir)
+    except FileNotFoundError as e:
+        fail(e)
 
 
 def atomic_output_dir(out: Path, overwrite: bool = False):
@@ -99,16 +78,11 @@ def launch_self(module: str, argv: list[str], nproc: int, extra: list[str]) -> N
 def load_megatron_checkpoint(ckpt_dir: Path, layout):
     """Build this rank's chunks for the checkpoint's role and load them at `layout` (any
     TP/PP: megatron's sharded tensors reshard on load). Needs platform.initialize first."""
-    from megatron.core import dist_checkpointing
-
     from megatron_rl.models.critic import build_critic_chunks
     from megatron_rl.models.gpt import build_gpt_model_chunks
 
     meta, arch = read_metadata(ckpt_dir)
     build = build_critic_chunks if meta["role"] == "critic" else build_gpt_model_chunks
     chunks = build(arch, layout, use_transformer_engine=False)
-    state = dist_checkpointing.load(
-        chunks[0].sharded_state_dict(), str(Path(ckpt_dir) / MODEL_SUBDIR)
-    )
-    chunks[0].load_state_dict(state)
+    dist_checkpoint.load_role(chunks, None, ckpt_dir)
     return chunks, arch, meta

@@ -15,7 +15,6 @@ at TP8PP4 that is ~2 GB of shard plus ~0.6 GB (gate + up: 2 x 27648 x 5120 x 2 b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,8 +22,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoints_convert.common import (
     HF_META_SUBDIR,
-    METADATA,
-    MODEL_SUBDIR,
     atomic_output_dir,
     checked_layout,
     copy_side_files,
@@ -33,6 +30,7 @@ from checkpoints_convert.common import (
     under_torchrun,
 )
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.dist_checkpoint import save_role, write_metadata
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
 
 
@@ -74,7 +72,6 @@ def check_inputs(args) -> ModelArchitecture:
 
 def worker(args) -> None:
     import torch
-    from megatron.core import dist_checkpointing
 
     from megatron_rl import platform
     from megatron_rl.models.critic import build_critic_chunks, load_value_head
@@ -92,7 +89,7 @@ def worker(args) -> None:
     else:
         chunks = build_gpt_model_chunks(arch, layout, use_transformer_engine=False)
         load_hf_into_megatron(chunks, reader, arch)
-    dist_checkpointing.save(chunks[0].sharded_state_dict(), str(args.work_dir / MODEL_SUBDIR))
+    save_role(chunks, None, args.work_dir)
     torch.distributed.barrier()
     platform.destroy()
 
@@ -104,18 +101,16 @@ def main(argv: list[str] | None = None) -> None:
         return record(worker)(args)
     arch = check_inputs(args)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
-        (tmp / MODEL_SUBDIR).mkdir()
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
         copy_side_files(args.hf_dir, tmp / HF_META_SUBDIR)
-        meta = {
-            "format": "megatron-core dist_checkpointing (torch_dist)",
-            "role": args.role,
-            "arch": arch.to_dict(),
-            "saved_layout": {"tp": args.tp, "pp": args.pp},
-            "source": str(args.hf_dir.resolve()),
-            "lora": str(args.lora_dir.resolve()) if args.lora_dir else None,
-        }
-        (tmp / METADATA).write_text(json.dumps(meta, indent=2))
+        write_metadata(
+            tmp,
+            args.role,
+            arch,
+            saved_layout={"tp": args.tp, "pp": args.pp},
+            source=str(args.hf_dir.resolve()),
+            lora=str(args.lora_dir.resolve()) if args.lora_dir else None,
+        )
     print(f"wrote {args.out_dir} ({args.role}, saved at TP{args.tp}PP{args.pp})")
 
 

@@ -1,11 +1,14 @@
 """megatron-core distributed checkpoint -> Hugging Face safetensors (+ config and tokenizer).
 
-    python -m checkpoints_convert.megatron_to_hf --ckpt-dir O --out-dir D [--tp N --pp M]
+    python -m checkpoints_convert.megatron_to_hf --ckpt-dir C --out-dir D [--role actor|critic]
+        [--tp N --pp M]
 
-The checkpoint is loaded at --tp/--pp (any layout: more processes, less memory each). Each
-pipeline stage streams its tensors, TP shards gathered one parameter at a time, into
-safetensors files of at most --max-shard-mb; vocabulary padding is removed. Actors export
-as causal LMs, critics as sequence-classification models (`score.weight`).
+--ckpt-dir: a converted checkpoint (hf_to_megatron), a training checkpoint
+(`output_dir/checkpoints/step_N`, with --role), or a run's `output_dir` (its `latest`
+checkpoint). The checkpoint is loaded at --tp/--pp (any layout: more processes, less memory
+each). Each pipeline stage streams its tensors, TP shards gathered one parameter at a time,
+into safetensors files of at most --max-shard-mb; vocabulary padding is removed. Actors export
+as causal LMs, critics as sequence-classification models (`score.weight`, one label).
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoints_convert.common import (
     HF_META_SUBDIR,
+    METADATA,
     atomic_output_dir,
     checked_layout,
+    fail,
     launch_self,
     load_megatron_checkpoint,
     read_metadata,
     under_torchrun,
 )
+from megatron_rl.models.hf_config import HF_CLASS_PREFIX
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--role", choices=["actor", "critic"], default=None)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--max-shard-mb", type=int, default=4096)
@@ -93,18 +100,59 @@ def worker(args) -> None:
     platform.destroy()
 
 
+def role_dir(ckpt_dir: Path, role: str | None) -> Path:
+    """The directory holding one role's checkpoint (see the module docstring)."""
+    path = Path(ckpt_dir)
+    if (path / METADATA).exists():
+        saved = json.loads((path / METADATA).read_text())["role"]
+        if role not in (None, saved):
+            fail(f"{path / METADATA}: a {saved} checkpoint, not --role {role}")
+        return path
+    for pointer in (path / "checkpoints" / "latest", path / "latest"):
+        if pointer.exists():
+            path = pointer.parent / pointer.read_text().strip()
+            break
+    found = path / (role or "actor") / METADATA
+    if not found.exists():
+        fail(
+            f"{found} not found: --ckpt-dir {ckpt_dir} is not a megatron_rl checkpoint, a "
+            f"training checkpoint holding the {role or 'actor'}, or a run's output_dir"
+        )
+    return found.parent
+
+
+def write_side_files(meta_dir: Path, out: Path, role: str) -> None:
+    """The source's config and tokenizer; a critic's config says what its weights are: a
+    sequence-classification model with one label (its value head), whatever it started from."""
+    for f in meta_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    if role != "critic":
+        return
+    config = json.loads((out / "config.json").read_text())
+    family = HF_CLASS_PREFIX[config["model_type"]]
+    config.update(
+        architectures=[f"{family}ForSequenceClassification"],
+        id2label={"0": "LABEL_0"},
+        label2id={"LABEL_0": 0},
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if under_torchrun():
         return record(worker)(args)
+    args.ckpt_dir = role_dir(args.ckpt_dir, args.role)
+    argv = [*argv, "--ckpt-dir", str(args.ckpt_dir)]  # the workers load the resolved one
     meta, arch = read_metadata(args.ckpt_dir)
     checked_layout(args.tp, args.pp, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
-        for f in (args.ckpt_dir / HF_META_SUBDIR).iterdir():
-            shutil.copy2(f, tmp / f.name)
-    print(f"wrote {args.out_dir} ({meta['role']}, loaded at TP{args.tp}PP{args.pp})")
+        write_side_files(args.ckpt_dir / HF_META_SUBDIR, tmp, meta["role"])
+    print(
+        f"wrote {args.out_dir} ({meta['role']} of {args.ckpt_dir}, loaded at TP{args.tp}PP{args.pp})"
+    )
 
 
 if __name__ == "__main__":

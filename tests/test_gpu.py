@@ -4,8 +4,6 @@ Single process, world size 1. Never a substitute for the CPU tests: they check w
 GPU has (bf16 kernels, the TE layer spec, FP8 GEMMs).
 """
 
-import io
-
 import pytest
 import torch
 
@@ -98,11 +96,11 @@ def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
     assert metrics["update_ok"]
 
 
-def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_model_dir):
-    """megatron's DistributedOptimizer.state_dict() leaves out the fp32 masters and Adam
-    moments; the trainer's checkpoint saves this rank's shard of them (trainer/checkpoint.py).
+def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_model_dir, tmp_path):
+    """The distributed optimizer's fp32 masters and Adam moments go into the role's
+    distributed checkpoint (megatron's sharded optimizer state, models/dist_checkpoint.py).
     Step, save, step again; a fresh actor loaded from the save takes the same second step."""
-    from megatron_rl.trainer.checkpoint import load_role_state, role_state
+    from megatron_rl.models.dist_checkpoint import load_role, save_role
     from megatron_rl.workers.optimizer import OptimConfig
     from tests.torchrun.actor_critic import global_batch
 
@@ -119,15 +117,11 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
 
     first = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
     first.update(batch, loss, num_microbatches=2)
-    buffer = io.BytesIO()  # state dicts refer to live tensors: serialise, as checkpoints do
-    torch.save(role_state(first), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=False)
-    assert saved["optimizer_shards"], "the distributed optimizer's shard was not saved"
+    save_role(first.chunks, first.optimizer, tmp_path / "actor")
     first.update(batch, loss, num_microbatches=2)
 
     resumed = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
-    load_role_state(resumed, saved, "actor", tiny_model_dir)
+    load_role(resumed.chunks, resumed.optimizer, tmp_path / "actor")
     resumed.update(batch, loss, num_microbatches=2)
     for a, b in zip(first.chunks[0].parameters(), resumed.chunks[0].parameters(), strict=True):
         assert torch.equal(a, b)

@@ -26,7 +26,9 @@ from typing import Any
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.rope import yarn_attention_factor
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+HF_CLASS_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+"""model_type -> the prefix of its transformers classes (Qwen2ForCausalLM, ...)."""
+SUPPORTED_MODEL_TYPES = tuple(HF_CLASS_PREFIX)
 REFUSED_MODEL_TYPES = {
     "qwen2_moe": "mixture-of-experts models are not supported yet",
     "qwen3_moe": "mixture-of-experts models are not supported yet",

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl import fsutil
+from megatron_rl.models.hf_config import HF_CLASS_PREFIX
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -58,7 +59,7 @@ TEMPLATES = {
     ),
 }
 SPECIAL_TOKENS = TEMPLATES["chatml"][0]
-FAMILIES = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}  # model_type -> class prefix
+FAMILIES = HF_CLASS_PREFIX
 
 
 @dataclass(frozen=True)

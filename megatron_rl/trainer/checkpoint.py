@@ -1,7 +1,12 @@
-"""Checkpoints of a run: every rank's model, optimizer and RNG state plus the trainer state
-(step, stage, data position), written atomically and pruned to the last K.
+"""Checkpoints of a run: each role's model and optimizer as a megatron-core distributed
+checkpoint (reshards on load: resume at another TP/PP/DP layout; exports with
+`checkpoints_convert.megatron_to_hf`), every rank's RNG state, and the trainer state (step,
+stage, data position), written atomically and pruned to the last K.
 
-    output_dir/checkpoints/step_000004/rank_00000.pt ... trainer_state.json, config.yaml
+    output_dir/checkpoints/step_000004/actor/   megatron_rl.json, model/, hf_meta/
+                                      critic/  (when trained)
+                                      rng/rank_00000.pt ...
+                                      trainer_state.json, config.yaml
     output_dir/checkpoints/latest   (the name of the newest complete checkpoint)
 
 All ranks write into `.step_N.tmp/`; after a barrier rank 0 renames it to `step_N` and then
@@ -10,8 +15,8 @@ and a crash leaves at most a `.tmp` directory (or a `.latest.tmp` pointer), whic
 save removes. Pruning keeps the newest `keep_last` checkpoints up to the one just saved
 (never that one, never a later one).
 A checkpoint a rank cannot read is named (file and rank), moved aside to `.step_N.corrupt`,
-and the previous complete one is used. Resuming needs the same world size and layout
-(per-rank shards); the HF converters reshard weights.
+and the previous complete one is used. At another layout the RNG states are not restored
+(they are per rank); the weights, Adam moments, step and data position are.
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.models.dist_checkpoint import (
+    HF_META_SUBDIR,
+    METADATA,
+    MODEL_SUBDIR,
+    copy_side_files,
+    load_role,
+    save_role,
+    write_metadata,
+)
 from megatron_rl.workers.optimizer import apply_hyperparameters
 
 
@@ -54,70 +69,44 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _distributed_optimizers(optimizer) -> list:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o for o in parts if isinstance(o, DistributedOptimizer)]
-
-
-def optimizer_shards(optimizer) -> list[dict]:
-    """This rank's shard of a distributed optimizer: fp32 master values and Adam moments.
-
-    megatron's `DistributedOptimizer.state_dict()` leaves them out (megatron-LM saves them
-    through a separate sharded path); without them a resume would restart Adam and round the
-    masters to bf16. Per rank, so a resume at the same layout is exact. [] otherwise.
-    Like `state_dict()`, it refers to the live tensors: save it before the next step.
-    """
-    return [
-        {
-            "masters": [[p.detach() for p in g["params"]] for g in o.optimizer.param_groups],
-            "inner": o.optimizer.state_dict(),
-        }
-        for o in _distributed_optimizers(optimizer)
-    ]
+def save_roles(out: Path, roles: dict, sources: dict[str, str], layout: dict | None) -> None:
+    """Each trained role (name -> TrainableRole or None) as `out/<name>/`: a megatron
+    distributed checkpoint of its model and optimizer (`models.dist_checkpoint`), with the
+    metadata and Hugging Face side files `checkpoints_convert.megatron_to_hf` exports from."""
+    for name, role in roles.items():
+        if role is None:
+            continue
+        save_role(role.chunks, role.optimizer, out / name)
+        if torch.distributed.get_rank() == 0:
+            write_metadata(out / name, name, role.arch, saved_layout=layout, source=sources[name])
+            copy_side_files(Path(sources[name]), out / name / HF_META_SUBDIR)
 
 
-@torch.no_grad()
-def load_optimizer_shards(optimizer, shards: list[dict], path: Path) -> None:
-    targets = _distributed_optimizers(optimizer)
-    if len(shards) != len(targets):
-        raise ValueError(
-            f"checkpoint {path}: {len(shards)} distributed-optimizer shards, this run has "
-            f"{len(targets)} (actor.optim.use_distributed_optimizer changed?)"
-        )
-    for o, shard in zip(targets, shards, strict=True):
-        o.optimizer.load_state_dict(shard["inner"])
-        for group, masters in zip(o.optimizer.param_groups, shard["masters"], strict=True):
-            for p, saved in zip(group["params"], masters, strict=True):
-                p.copy_(saved)
-
-
-def role_state(role) -> dict | None:
-    if role is None:
-        return None
-    return {
-        "model": [chunk.state_dict() for chunk in role.chunks],
-        "optimizer": role.optimizer.state_dict(),
-        "optimizer_shards": optimizer_shards(role.optimizer),
-    }
-
-
-def load_role_state(role, state: dict | None, name: str, path: Path) -> None:
-    if role is None:
-        return
-    if state is None:
-        raise ValueError(f"checkpoint {path}: has no {name} state but this run trains a {name}")
-    for chunk, sd in zip(role.chunks, state["model"], strict=True):
-        chunk.load_state_dict(sd)
-    role.optimizer.load_state_dict(state["optimizer"])
-    load_optimizer_shards(role.optimizer, state.get("optimizer_shards", []), path)
-    changed = apply_hyperparameters(role.optimizer, role.optim)
-    if changed and torch.distributed.get_rank() == 0:
-        print(
-            f"resume: {name} optimizer settings from the config, not {path}: " + ", ".join(changed),
-            flush=True,
-        )
+def load_roles(path: Path, roles: dict) -> None:
+    """Load each role at this run's layout (any TP/PP/DP: the shards reshard); the config's
+    optimizer settings replace the checkpoint's, and each change is printed. An unreadable
+    role directory is a CorruptCheckpoint naming it."""
+    for name, role in roles.items():
+        if role is None:
+            continue
+        if not (path / name / METADATA).exists():
+            raise ValueError(f"checkpoint {path}: has no {name} state but this run trains a {name}")
+        try:
+            load_role(role.chunks, role.optimizer, path / name)
+        # A truncated or missing shard file: the checkpoint is unusable. torch's
+        # CheckpointException (raised on every rank) derives from BaseException.
+        except (Exception, CheckpointException) as e:
+            raise CorruptCheckpoint(
+                f"checkpoint {path}: {name}/{MODEL_SUBDIR} cannot be read "
+                f"(rank {torch.distributed.get_rank()}): {type(e).__name__}: {e}"
+            ) from e
+        changed = apply_hyperparameters(role.optimizer, role.optim)
+        if changed and torch.distributed.get_rank() == 0:
+            print(
+                f"resume: {name} optimizer settings from the config, not {path}: "
+                + ", ".join(changed),
+                flush=True,
+            )
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -207,7 +196,10 @@ class CheckpointManager:
         path.rename(aside)
         return aside
 
-    def save(self, step: int, rank_state: dict, trainer_state: dict, config_yaml: str) -> Path:
+    def save(
+        self, step: int, write_roles, rng: dict, trainer_state: dict, config_yaml: str
+    ) -> Path:
+        """`write_roles(dir)`: every rank writes the roles' distributed checkpoints there."""
         name = f"step_{step:06d}"
         tmp = self.root / f".{name}.tmp"
         final = self.root / name
@@ -216,8 +208,10 @@ class CheckpointManager:
             for stale in self.root.glob(".*.tmp"):  # a save that was killed
                 shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
             tmp.mkdir()
+            (tmp / "rng").mkdir()
         torch.distributed.barrier()
-        torch.save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
+        write_roles(tmp)
+        torch.save(rng, tmp / "rng" / f"rank_{self.rank:05d}.pt")
         torch.distributed.barrier()
         if self.rank == 0:
             state = {**trainer_state, "world_size": self.world_size, "layout": self.layout}
@@ -240,30 +234,31 @@ class CheckpointManager:
         for old in mine[: max(0, len(mine) - self.keep_last)]:
             shutil.rmtree(old)
 
-    def load(self, path: Path) -> tuple[dict, dict]:
-        """(this rank's state, trainer state)."""
+    def load(self, path: Path) -> tuple[dict | None, dict]:
+        """(this rank's RNG state, or None when the run's layout differs from the saved one;
+        the trainer state). The roles load separately (`load_roles`), at any layout."""
         trainer_state = json.loads((path / "trainer_state.json").read_text())
-        if trainer_state["world_size"] != self.world_size:
+        if (path / "rank_00000.pt").exists():
             raise ValueError(
-                f"checkpoint {path}: saved by {trainer_state['world_size']} ranks, this run has "
-                f"{self.world_size}; resume with the same layout (or convert the weights with "
-                "checkpoints_convert and start a new run)"
+                f"checkpoint {path}: per-rank torch files (rank_*.pt) of megatron_rl before "
+                "distributed checkpoints; this version cannot read them: finish that run with "
+                "the version that wrote it, or start a new run from its Hugging Face model"
             )
-        saved = trainer_state.get("layout")  # absent in checkpoints written before it was
-        if saved is not None and self.layout is not None and saved != self.layout:
-            diff = ", ".join(
-                f"{k} {saved.get(k)} -> {v}" for k, v in self.layout.items() if saved.get(k) != v
-            )
-            raise ValueError(
-                f"checkpoint {path}: saved at another parallel layout ({diff}); its per-rank "
-                "shards only load at the layout that wrote them: resume with the saved layout "
-                "(or convert the weights with checkpoints_convert and start a new run)"
-            )
-        rank_file = path / f"rank_{self.rank:05d}.pt"
+        saved = (trainer_state["world_size"], trainer_state.get("layout"))
+        if saved != (self.world_size, self.layout):
+            if self.rank == 0:
+                print(
+                    f"resume: {path} was saved by {saved[0]} ranks at {saved[1]}, this run has "
+                    f"{self.world_size} at {self.layout}: weights and optimizer state reshard; "
+                    "the per-rank RNG states are not restored (the run's seed stands)",
+                    flush=True,
+                )
+            return None, trainer_state
+        rng_file = path / "rng" / f"rank_{self.rank:05d}.pt"
         try:
-            return torch.load(rank_file, weights_only=False), trainer_state
+            return torch.load(rng_file, weights_only=False), trainer_state
         except Exception as e:  # truncated, missing, not a torch file: all mean unreadable
             raise CorruptCheckpoint(
-                f"checkpoint {path}: {rank_file.name} (rank {self.rank}) cannot be read: "
+                f"checkpoint {path}: rng/{rng_file.name} (rank {self.rank}) cannot be read: "
                 f"{type(e).__name__}: {e}"
             ) from e

@@ -35,10 +35,10 @@ from megatron_rl.trainer.checkpoint import (
     CheckpointManager,
     CorruptCheckpoint,
     clear_previous_run,
-    load_role_state,
+    load_roles,
     previous_run_files,
     rng_state,
-    role_state,
+    save_roles,
     set_rng_state,
 )
 from megatron_rl.trainer.experience import compute_advantages, make_experience
@@ -374,11 +374,12 @@ class RLTrainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> None:
-        rank_state = {
-            "actor": role_state(self.actor),
-            "critic": role_state(self.critic),
-            "rng": rng_state(),
-        }
+        c = self.config
+        sources = {"actor": c.model.path, "critic": c.model.critic_path or c.model.path}
+
+        def write_roles(out):
+            save_roles(out, self.trained_roles, sources, self.checkpoints.layout)
+
         trainer_state = {
             "step": self.step,
             "value_pretrain_step": self.value_pretrain_step,
@@ -388,7 +389,7 @@ class RLTrainer:
         config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)
         # Checkpoints are numbered by progress over both stages, so the newest sorts last.
         progress = self.value_pretrain_step + self.step
-        path = self.checkpoints.save(progress, rank_state, trainer_state, config_yaml)
+        path = self.checkpoints.save(progress, write_roles, rng_state(), trainer_state, config_yaml)
         if self.ctx.rank == 0:
             print(f"saved checkpoint {path}", flush=True)
 
@@ -399,12 +400,18 @@ class RLTrainer:
         while path is not None:
             error = None
             try:
-                state, trainer_state = self.checkpoints.load(path)
+                rng, trainer_state = self.checkpoints.load(path)
             except CorruptCheckpoint as e:
                 error = e
                 print(f"warning: {e}", flush=True)
             if not any_rank(error is not None):
-                return self.resume(path, state, trainer_state)
+                try:
+                    load_roles(path, self.trained_roles)
+                except CorruptCheckpoint as e:
+                    error = e
+                    print(f"warning: {e}", flush=True)
+            if not any_rank(error is not None):
+                return self.resume(path, rng, trainer_state)
             previous = self.checkpoints.previous(path)
             torch.distributed.barrier()
             if self.ctx.rank == 0:
@@ -417,12 +424,16 @@ class RLTrainer:
             torch.distributed.barrier()
             path = previous
 
-    def resume(self, path, state: dict, trainer_state: dict) -> None:
+    @property
+    def trained_roles(self) -> dict:
+        return {"actor": self.actor, "critic": self.critic}
+
+    def resume(self, path, rng: dict | None, trainer_state: dict) -> None:
+        """Continue from `path`, whose roles `load_roles` has loaded."""
         from megatron_rl.sync.weight_sync import sync_weights
 
-        load_role_state(self.actor, state["actor"], "actor", path)
-        load_role_state(self.critic, state["critic"], "critic", path)
-        set_rng_state(state["rng"])
+        if rng is not None:
+            set_rng_state(rng)
         self.prompts.load_state_dict(trainer_state["data"])
         self.step = trainer_state["step"]
         self.value_pretrain_step = trainer_state["value_pretrain_step"]

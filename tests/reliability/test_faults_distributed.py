@@ -65,7 +65,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
     # save_interval 0: this checkpoint exists only because of the signal, at the last step.
     assert json.loads((latest / "trainer_state.json").read_text())["step"] == len(records) >= 2
     assert sorted(p.name for p in latest.iterdir()) == [
-        "config.yaml", "rank_00000.pt", "rank_00001.pt", "trainer_state.json"
+        "actor", "config.yaml", "rng", "trainer_state.json"
     ]  # fmt: skip
     assert "launcher: SIGTERM -> 2 worker(s)" in output
     timeouts = sum(r.get("reward/python/failures", 0.0) for r in records)

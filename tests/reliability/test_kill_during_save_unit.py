@@ -21,7 +21,7 @@ from megatron_rl.trainer import checkpoint
 out, point = sys.argv[1], sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method="file://" + out + "/store", rank=0, world_size=1)
 m = checkpoint.CheckpointManager(out, 0, 1, keep_last=1)
-m.save(1, {"w": torch.ones(2)}, {"step": 1}, "")
+m.save(1, lambda out: None, {"w": torch.ones(2)}, {"step": 1}, "")
 def stuck(real):
     def at_the_kill_point(*args, **kwargs):
         if point == "after":
@@ -33,7 +33,7 @@ if point in ("rank_file", "after"):
     checkpoint.torch.save = stuck(checkpoint.torch.save)
 else:  # the `latest` pointer, the checkpoint itself already renamed
     checkpoint.os.replace = stuck(checkpoint.os.replace)
-m.save(2, {"w": torch.full((2,), 2.0)}, {"step": 2}, "")
+m.save(2, lambda out: None, {"w": torch.full((2,), 2.0)}, {"step": 2}, "")
 """
 
 
@@ -55,7 +55,7 @@ def test_a_kill_during_save_loses_nothing_saved(point, tmp_path, world_of_one):
     state, trainer_state = m.load(m.latest())
     assert trainer_state["step"] == 1 and torch.equal(state["w"], torch.ones(2))
     # The resumed run saves step 2 again, over whatever the killed save left.
-    m.save(2, {"w": torch.full((2,), 3.0)}, {"step": 2}, "")
+    m.save(2, lambda out: None, {"w": torch.full((2,), 3.0)}, {"step": 2}, "")
     assert [p.name for p in m.complete()] == ["step_000002"]  # keep_last 1: step 1 pruned now
     assert m.latest().name == "step_000002"
     assert not list((tmp_path / "checkpoints").glob(".*.tmp"))

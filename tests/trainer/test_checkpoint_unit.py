@@ -24,7 +24,11 @@ def _world(world_of_one):
 
 
 def save(manager: CheckpointManager, step: int, value: float = 0.0):
-    return manager.save(step, {"w": torch.full((2,), value)}, {"step": step}, "config: {}\n")
+    """A checkpoint with no roles (they are megatron distributed checkpoints, tested under
+    torchrun) and `value` standing in for this rank's RNG state."""
+    return manager.save(
+        step, lambda out: None, {"w": torch.full((2,), value)}, {"step": step}, "config: {}\n"
+    )
 
 
 def names(root):
@@ -75,16 +79,37 @@ def test_latest_naming_a_missing_checkpoint_falls_back_to_the_newest_complete(tm
 def test_an_unreadable_rank_file_is_named_and_set_aside(tmp_path):
     manager = CheckpointManager(tmp_path, 0, 1, keep_last=5)
     first, second = save(manager, 1, 1.0), save(manager, 2, 2.0)
-    shard = second / "rank_00000.pt"
+    shard = second / "rng" / "rank_00000.pt"
     shard.write_bytes(shard.read_bytes()[:20])
-    with pytest.raises(CorruptCheckpoint, match=r"step_000002: rank_00000.pt \(rank 0\) cannot"):
+    with pytest.raises(CorruptCheckpoint, match=r"step_000002: rng/rank_00000.pt \(rank 0\)"):
         manager.load(second)
     assert manager.previous(second) == first and manager.previous(first) is None
     aside = manager.set_aside(second)
-    assert aside.name == ".step_000002.corrupt" and (aside / "rank_00000.pt").exists()
+    assert aside.name == ".step_000002.corrupt" and (aside / "rng" / "rank_00000.pt").exists()
     assert manager.latest() == first
     state, trainer_state = manager.load(first)
     assert torch.equal(state["w"], torch.ones(2)) and trainer_state["step"] == 1
+
+
+def test_at_another_layout_the_rng_states_are_not_restored(tmp_path, capsys):
+    """The roles reshard (tests/trainer/test_reshard_distributed.py); the per-rank RNG
+    states cannot, and the resume says so."""
+    tp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    path = save(CheckpointManager(tmp_path, 0, 1, layout=tp2), 1, 3.0)
+    assert json.loads((path / "trainer_state.json").read_text())["layout"] == tp2
+    pp2 = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
+    rng, trainer_state = CheckpointManager(tmp_path, 0, 1, layout=pp2).load(path)
+    assert rng is None and trainer_state["step"] == 1
+    assert "weights and optimizer state reshard" in capsys.readouterr().out
+    rng, _ = CheckpointManager(tmp_path, 0, 1, layout=tp2).load(path)
+    assert torch.equal(rng["w"], torch.full((2,), 3.0))
+
+
+def test_a_checkpoint_of_the_old_per_rank_format_is_refused_by_name(tmp_path):
+    path = save(CheckpointManager(tmp_path, 0, 1), 1)
+    (path / "rank_00000.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"step_000001: per-rank torch files \(rank_\*.pt\)"):
+        CheckpointManager(tmp_path, 0, 1).load(path)
 
 
 def test_an_earlier_run_is_found_and_cleared_whole(tmp_path):
@@ -124,20 +149,6 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
     logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
     assert logger.rewind((1, 0)) == 3  # resumed at step 0: the step-0 eval runs again
     logger.close()
-
-
-def test_a_checkpoint_of_another_parallel_layout_is_refused_with_the_difference(tmp_path):
-    tp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
-    path = save(CheckpointManager(tmp_path, 0, 1, layout=tp2), 1)
-    assert json.loads((path / "trainer_state.json").read_text())["layout"] == tp2
-    pp2 = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
-    with pytest.raises(
-        ValueError,
-        match=r"another parallel layout \(tensor_model_parallel_size 2 -> 1, "
-        r"pipeline_model_parallel_size 1 -> 2\)",
-    ):
-        CheckpointManager(tmp_path, 0, 1, layout=pp2).load(path)
-    assert CheckpointManager(tmp_path, 0, 1, layout=tp2).load(path)[1]["step"] == 1
 
 
 def test_optimizer_settings_come_from_the_config_also_after_a_resume():

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from megatron_rl.launch import free_port, kill_tree, run_torchrun
+from tests.checkpoints import role_tensors, same_weights
 
 pytestmark = pytest.mark.distributed
 
@@ -42,19 +43,10 @@ def metrics(out: Path, stage: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["stage"] == stage]
 
 
-def checkpoint(out: Path, progress: int, rank: int = 0) -> dict:
-    return torch.load(
-        out / "checkpoints" / f"step_{progress:06d}" / f"rank_{rank:05d}.pt", weights_only=False
-    )
-
-
-def same_weights(a: dict | None, b: dict | None) -> bool:
-    return all(
-        torch.equal(x, y)
-        for ca, cb in zip(a["model"], b["model"], strict=True)
-        for (k, x), (_, y) in zip(ca.items(), cb.items(), strict=True)
-        if isinstance(x, torch.Tensor)
-    )
+def checkpoint(out: Path, progress: int) -> dict:
+    """{role: its full tensors, or None} of checkpoint step_<progress>."""
+    step_dir = out / "checkpoints" / f"step_{progress:06d}"
+    return {role: role_tensors(step_dir, role) for role in ("actor", "critic")}
 
 
 def finite(record: dict) -> bool:
@@ -160,12 +152,13 @@ def test_a_truncated_rank_file_is_named_and_the_previous_checkpoint_used(
     resumed = tmp_path / "resumed"
     shutil.copytree(vapo_run, resumed)
     root = resumed / "checkpoints"
-    shard = root / "step_000008" / "rank_00001.pt"
+    shard = root / "step_000008" / "actor" / "model" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # a save cut short by a full disk
     result = train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
-    assert "step_000008: rank_00001.pt (rank 1) cannot be read" in result.output
+    assert "step_000008: actor/model cannot be read" in result.output
     assert f"resuming from {root / 'step_000007'}" in result.output
-    assert (root / ".step_000008.corrupt" / "rank_00001.pt").stat().st_size == 1000
+    corrupt = root / ".step_000008.corrupt" / "actor" / "model" / "__1_0.distcp"
+    assert corrupt.stat().st_size == 1000
     # Step 4 is redone from step 3's checkpoint and matches the uninterrupted run.
     assert (root / "latest").read_text() == "step_000008"
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
@@ -242,16 +235,13 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits(tiny_model_dir, tmp_path)
     state = json.loads((latest / "trainer_state.json").read_text())
     assert state["step"] == len(records) < 1000
     assert sorted(p.name for p in latest.iterdir()) == [
+        "actor",
         "config.yaml",
-        "rank_00000.pt",
-        "rank_00001.pt",
+        "rng",
         "trainer_state.json",
     ]
     assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
-    assert not same_weights(
-        checkpoint(out, 1)["actor"],
-        torch.load(latest / "rank_00000.pt", weights_only=False)["actor"],
-    )
+    assert not same_weights(checkpoint(out, 1)["actor"], role_tensors(latest, "actor"))
     assert f"saved checkpoint {latest}" in output
 
 

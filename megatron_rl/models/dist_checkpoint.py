@@ -1,0 +1,135 @@
+"""A role's model (and optimizer state) as a megatron-core distributed checkpoint: the one
+on-disk format of converted checkpoints (`checkpoints_convert.hf_to_megatron`) and of the
+trainer's, loadable at any TP/PP/DP layout (megatron's sharded tensors reshard on load) and
+exportable with `checkpoints_convert.megatron_to_hf`.
+
+    <dir>/megatron_rl.json   role, architecture, the layout it was saved at
+    <dir>/model/             torch_dist files: the model's sharded tensors, and the
+                             optimizer's (Adam moments, step) keyed by the same parameters
+    <dir>/hf_meta/           the Hugging Face source's config, generation config, tokenizer
+
+Every rank calls `save_role` / `load_role` (they are collectives). A script that saves must
+keep its work under `if __name__ == "__main__":` (megatron's writer starts a spawn-method
+multiprocessing Manager).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_rl.models.architecture import ModelArchitecture
+
+METADATA = "megatron_rl.json"
+MODEL_SUBDIR = "model"
+HF_META_SUBDIR = "hf_meta"
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+FORMAT = "megatron-core dist_checkpointing (torch_dist)"
+
+
+def copy_side_files(src: Path, dst: Path) -> None:
+    """The Hugging Face files besides the weights (config, tokenizer), as they are."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, dst / name)
+
+
+def write_metadata(out_dir: Path, role: str, arch: ModelArchitecture, **extra) -> None:
+    meta = {"format": FORMAT, "role": role, "arch": arch.to_dict(), **extra}
+    (Path(out_dir) / METADATA).write_text(json.dumps(meta, indent=2))
+
+
+def read_metadata(ckpt_dir: Path) -> tuple[dict, ModelArchitecture]:
+    """(metadata, architecture); FileNotFoundError naming the file when it is absent."""
+    path = Path(ckpt_dir) / METADATA
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} not found: {ckpt_dir} is not a megatron_rl checkpoint (written by "
+            "checkpoints_convert.hf_to_megatron, or a role directory of a training checkpoint)"
+        )
+    meta = json.loads(path.read_text())
+    return meta, ModelArchitecture(**meta["arch"])
+
+
+def _modules(chunks: list) -> list:
+    """The GPTModels inside megatron DDP wrappers (or the chunks themselves)."""
+    return [getattr(c, "module", c) for c in chunks]
+
+
+def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
+    model = {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(_modules(chunks))}
+    state = {"model": model}
+    if optimizer is not None:
+        # Keyed by the parameters' global names, so Adam's moments reshard like the weights.
+        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading)
+    return state
+
+
+_MANAGERS: list = []
+
+
+def _outlive_signals() -> None:
+    """Initializer of the writer's Manager process: deaf to the job's signals, dead with its
+    parent (Linux PR_SET_PDEATHSIG), so it neither breaks a save nor outlives the rank."""
+    import ctypes
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def _start_writer_queue() -> None:
+    """megatron's torch_dist writer passes results through the queue of a spawn-method
+    Manager process it starts at the first save. SLURM's `scancel` signals every process of
+    the job: a Manager killed by that SIGTERM would break the very save the signal asks for
+    (found by tests/trainer/test_train_distributed.py's SIGTERM test). Start it ourselves."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_outlive_signals)
+        _MANAGERS.append(manager)  # alive as long as this process; shut down at its exit
+        filesystem_async._results_queue = manager.Queue()
+
+
+def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
+    """Write this rank's shards of the model (and optimizer) under `ckpt_dir/model`."""
+    from megatron.core import dist_checkpointing
+
+    _start_writer_queue()
+    model_dir = Path(ckpt_dir) / MODEL_SUBDIR
+    if torch.distributed.get_rank() == 0:
+        model_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, False), str(model_dir))
+
+
+def load_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
+    """Load the model (and, given an optimizer, its state) at this run's layout."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(
+        _sharded_state(chunks, optimizer, True), str(Path(ckpt_dir) / MODEL_SUBDIR)
+    )
+    for i, module in enumerate(_modules(chunks)):
+        module.load_state_dict(state["model"][f"chunk{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])

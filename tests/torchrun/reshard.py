@@ -1,0 +1,86 @@
+"""torchrun worker: an actor and a critic take one update on a fixed batch, are saved as the
+trainer saves them (`trainer.checkpoint.save_roles`), and take a second update; `--load`
+instead builds them at this run's layout, loads the save and takes that second update.
+Writes (the last rank) the second update's metrics, the actor's log-probs after it, and both roles'
+full Hugging Face tensors before and after it to --out.
+
+    torchrun --nproc-per-node 2 -m tests.torchrun.reshard --hf-dir D --ckpt C --out F
+        --tp 2 --pp 1 [--load | --model-only]
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatron_rl import platform
+from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.dist_checkpoint import load_role
+from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.trainer.checkpoint import load_roles, save_roles
+from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
+from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.policy import Actor
+from tests.torchrun.actor_critic import global_batch
+
+
+def full(role):
+    """Every Hugging Face tensor of the role, on every rank (pipeline stages merged)."""
+    mine = {k: v.clone() for k, v in export_hf_tensors(role.chunks, role.arch)}
+    stages = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, mine)
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
+@record
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--ckpt", type=Path, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--load", action="store_true")
+    p.add_argument("--model-only", action="store_true", help="load no optimizer state")
+    a = p.parse_args()
+    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    layout = platform.ParallelLayout(
+        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
+    )
+    ctx = platform.initialize(layout, arch=arch)
+    batch = global_batch(arch.vocab_size)
+    batch = batch.with_fields(ref_logprobs=batch.old_logprobs)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.01)
+    actor = Actor(arch, layout, a.hf_dir, optim=optim)
+    critic = Critic(arch, layout, a.hf_dir, optim=optim)
+    roles = {"actor": actor, "critic": critic}
+    policy, value = PolicyLossConfig(nll_coef=0.1), ValueLossConfig()
+    if a.model_only:
+        for name, role in roles.items():
+            load_role(role.chunks, None, a.ckpt / name)
+    elif a.load:
+        load_roles(a.ckpt, roles)
+    else:
+        actor.update(batch, policy, 2)
+        critic.update(batch, value, 2)
+        if ctx.rank == 0:
+            a.ckpt.mkdir()
+        torch.distributed.barrier()
+        save_roles(a.ckpt, roles, dict.fromkeys(roles, a.hf_dir), {"tp": a.tp, "pp": a.pp})
+    saved = {"actor": full(actor), "critic": full(critic)}
+    metrics = {"actor": actor.update(batch, policy, 2), "critic": critic.update(batch, value, 2)}
+    result = {
+        "saved": saved,
+        "metrics": metrics,
+        "logprobs": actor.compute_logprobs(batch),
+        "after": {"actor": full(actor), "critic": full(critic)},
+    }
+    if ctx.rank == ctx.world_size - 1:  # a last pipeline stage: it has the loss metrics
+        torch.save(result, a.out)
+    platform.destroy()
+
+
+if __name__ == "__main__":
+    main()
