@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from checkpoints_convert.common import (
     METADATA,
     atomic_output_dir,
     checked_layout,
+    copy_side_files,
     fail,
     launch_self,
     load_megatron_checkpoint,
@@ -104,7 +104,7 @@ def role_dir(ckpt_dir: Path, role: str | None) -> Path:
     """The directory holding one role's checkpoint (see the module docstring)."""
     path = Path(ckpt_dir)
     if (path / METADATA).exists():
-        saved = json.loads((path / METADATA).read_text())["role"]
+        saved = read_metadata(path)[0]["role"]
         if role not in (None, saved):
             fail(f"{path / METADATA}: a {saved} checkpoint, not --role {role}")
         return path
@@ -124,8 +124,7 @@ def role_dir(ckpt_dir: Path, role: str | None) -> Path:
 def write_side_files(meta_dir: Path, out: Path, role: str) -> None:
     """The source's config and tokenizer; a critic's config says what its weights are: a
     sequence-classification model with one label (its value head), whatever it started from."""
-    for f in meta_dir.iterdir():
-        shutil.copy2(f, out / f.name)
+    copy_side_files(meta_dir, out)
     if role != "critic":
         return
     config = json.loads((out / "config.json").read_text())
