@@ -14,7 +14,6 @@ as causal LMs, critics as sequence-classification models (`score.weight`, one la
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,14 +24,12 @@ from checkpoints_convert.common import (
     METADATA,
     atomic_output_dir,
     checked_layout,
-    copy_side_files,
     fail,
     launch_self,
     load_megatron_checkpoint,
     read_metadata,
     under_torchrun,
 )
-from megatron_rl.models.hf_config import HF_CLASS_PREFIX
 
 
 def parse_args(argv):
@@ -48,55 +45,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-class ShardWriter:
-    """Accumulates tensors and writes a safetensors file whenever max_bytes is reached."""
-
-    def __init__(self, out_dir: Path, prefix: str, max_bytes: int):
-        self.out_dir, self.prefix, self.max_bytes = out_dir, prefix, max_bytes
-        self.pending: dict = {}
-        self.pending_bytes = 0
-        self.weight_map: dict[str, str] = {}
-        self.files = 0
-
-    def add(self, name: str, tensor) -> None:
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += tensor.numel() * tensor.element_size()
-        if self.pending_bytes >= self.max_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
-            return
-        self.files += 1
-        file = f"{self.prefix}-{self.files:05d}.safetensors"
-        save_file(self.pending, self.out_dir / file, metadata={"format": "pt"})
-        self.weight_map.update(dict.fromkeys(self.pending, file))
-        self.pending, self.pending_bytes = {}, 0
-
-
 def worker(args) -> None:
-    import torch
-
     from megatron_rl import platform
-    from megatron_rl.models.hf_mapping import export_hf_tensors
+    from megatron_rl.models.hf_export import save_hf_pretrained
 
     layout = checked_layout(args.tp, args.pp)
-    ctx = platform.initialize(layout)
-    chunks, arch, _ = load_megatron_checkpoint(args.ckpt_dir, layout)
-    writes = ctx.tp_rank == 0 and ctx.dp_rank == 0
-    writer = ShardWriter(args.work_dir, f"model-pp{ctx.pp_rank}", args.max_shard_mb * 2**20)
-    for name, tensor in export_hf_tensors(chunks, arch):  # every TP rank joins the gathers
-        if writes:
-            writer.add(name, tensor)
-    writer.flush()
-    maps = [None] * ctx.world_size
-    torch.distributed.all_gather_object(maps, writer.weight_map)
-    if ctx.rank == 0:
-        weight_map = {k: v for m in maps for k, v in m.items()}
-        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
-        (args.work_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    platform.initialize(layout)
+    chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
+    max_bytes = args.max_shard_mb * 2**20
+    save_hf_pretrained(
+        chunks, arch, meta["role"], args.ckpt_dir / HF_META_SUBDIR, args.work_dir, max_bytes
+    )
     platform.destroy()
 
 
@@ -121,22 +80,6 @@ def role_dir(ckpt_dir: Path, role: str | None) -> Path:
     return found.parent
 
 
-def write_side_files(meta_dir: Path, out: Path, role: str) -> None:
-    """The source's config and tokenizer; a critic's config says what its weights are: a
-    sequence-classification model with one label (its value head), whatever it started from."""
-    copy_side_files(meta_dir, out)
-    if role != "critic":
-        return
-    config = json.loads((out / "config.json").read_text())
-    family = HF_CLASS_PREFIX[config["model_type"]]
-    config.update(
-        architectures=[f"{family}ForSequenceClassification"],
-        id2label={"0": "LABEL_0"},
-        label2id={"LABEL_0": 0},
-    )
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -148,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     checked_layout(args.tp, args.pp, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
         launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
-        write_side_files(args.ckpt_dir / HF_META_SUBDIR, tmp, meta["role"])
     print(
         f"wrote {args.out_dir} ({meta['role']} of {args.ckpt_dir}, loaded at TP{args.tp}PP{args.pp})"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from checkpoints_convert.common import atomic_output_dir, copy_side_files, fail
 from checkpoints_convert.lora import LoraMergedReader
-from checkpoints_convert.megatron_to_hf import ShardWriter
+from megatron_rl.models.hf_export import ShardWriter
 from megatron_rl.models.hf_mapping import HFCheckpointReader
 
 

@@ -46,10 +46,13 @@ def check_at_least(section, **minimum_and_value) -> None:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
-    """HF checkpoint of the policy: actor, reference and the vLLM engine start from it."""
+    """The policy: actor, reference and the vLLM engine start from it. A Hugging Face
+    directory, or a megatron_rl checkpoint (`checkpoints_convert.hf_to_megatron` output, or a
+    training checkpoint's `step_N/actor`), loaded at any layout without converting again."""
     critic_path: str | None = None
-    """HF checkpoint the critic starts from: the policy (None) or a reward model whose
-    `score` head becomes the value head (VAPO initialises the critic from the RM)."""
+    """What the critic starts from: the policy (None), a reward model whose `score` head
+    becomes the value head (VAPO initialises the critic from the RM), or a critic checkpoint;
+    HF or Megatron as `path`."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation recompute of the actor and critic (megatron's recompute_granularity)."""
@@ -123,6 +126,10 @@ class TrainerConfig:
     job killed without a signal it can act on (a node failure, SIGKILL) loses at most N steps."""
     keep_last: int = 2
     """Checkpoints kept (>= 1); the one `latest` names is never removed."""
+    save_hf_interval: int = 0
+    """Also write the actor as a Hugging Face model (transformers / vLLM / the Hub) every N
+    steps and at the end, to output_dir/hf/step_N (0: never; export any checkpoint later with
+    checkpoints_convert.megatron_to_hf). These are not pruned."""
     resume: bool = True
     """Continue from the newest complete checkpoint in output_dir, if any (a corrupt one is
     named and the previous complete one is used)."""
@@ -140,8 +147,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_at_least(
-            self, total_steps=0, save_interval=0, keep_last=1, eval_interval=0,
-            max_nonfinite_in_a_row=1,
+            self, total_steps=0, save_interval=0, keep_last=1, save_hf_interval=0,
+            eval_interval=0, max_nonfinite_in_a_row=1,
         )  # fmt: skip
         if self.overwrite and self.resume:
             raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
@@ -323,10 +330,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
 
 def validate_config(config: TrainConfig, world_size: int) -> None:
     """Everything that can be checked before a process group or a model exists."""
-    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.models.source import ModelSource
 
     if not config.model.path:
-        raise ConfigError("config key model.path: the policy's HF checkpoint is required")
+        raise ConfigError(
+            "config key model.path: the policy (a Hugging Face directory or a megatron_rl "
+            "checkpoint) is required"
+        )
     if not config.data.path:
         raise ConfigError("config key data.path: the prompt dataset is required")
     if not config.rewards.reward_fns:
@@ -338,7 +348,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             + (f" (did you mean {close[0]!r}?)" if close else "")
             + f"; registered: {sorted(ADV_ESTIMATORS)}"
         )
-    arch = ModelArchitecture.from_hf_config(config.model.path)
+    arch = ModelSource(config.model.path).architecture()
     try:
         config.parallel.validate(world_size, arch)
     except ValueError as e:

@@ -66,8 +66,8 @@ def value_pretrain(trainer) -> None:
 
 
 def train(trainer) -> None:
-    total, interval = trainer.config.trainer.total_steps, trainer.config.trainer.save_interval
-    eval_interval = trainer.config.trainer.eval_interval
+    t = trainer.config.trainer
+    total, interval, eval_interval = t.total_steps, t.save_interval, t.eval_interval
     if trainer.eval_prompts is not None and trainer.step == 0:
         trainer.logger.log(0, trainer.evaluate(), "eval")
     while trainer.step < total:
@@ -82,6 +82,8 @@ def train(trainer) -> None:
             sys.exit(0)
         if trainer.step == total or (interval and trainer.step % interval == 0):
             trainer.save()
+        if t.save_hf_interval and (trainer.step == total or trainer.step % t.save_hf_interval == 0):
+            trainer.save_hf()
 
 
 def main(argv=None) -> None:

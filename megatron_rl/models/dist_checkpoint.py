@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.procutil import outlive_job_signals
 
 METADATA = "megatron_rl.json"
 MODEL_SUBDIR = "model"
@@ -82,17 +83,6 @@ def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
 _MANAGERS: list = []
 
 
-def _outlive_signals() -> None:
-    """Initializer of the writer's Manager process: deaf to the job's signals, dead with its
-    parent (Linux PR_SET_PDEATHSIG), so it neither breaks a save nor outlives the rank."""
-    import ctypes
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
 def _start_writer_queue() -> None:
     """megatron's torch_dist writer passes results through the queue of a spawn-method
     Manager process it starts at the first save. SLURM's `scancel` signals every process of
@@ -105,7 +95,7 @@ def _start_writer_queue() -> None:
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_outlive_signals)
+        manager.start(initializer=outlive_job_signals)
         _MANAGERS.append(manager)  # alive as long as this process; shut down at its exit
         filesystem_async._results_queue = manager.Queue()
 
@@ -122,14 +112,24 @@ def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
     dist_checkpointing.save(_sharded_state(chunks, optimizer, False), str(model_dir))
 
 
-def load_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
-    """Load the model (and, given an optimizer, its state) at this run's layout."""
+def load_role(chunks: list, optimizer, ckpt_dir: Path, skip: tuple[str, ...] = ()) -> None:
+    """Load the model (and, given an optimizer, its state) at this run's layout. Parameters
+    named in `skip` keep their values (a critic started from a policy: its value head)."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(
-        _sharded_state(chunks, optimizer, True), str(Path(ckpt_dir) / MODEL_SUBDIR)
-    )
+    sharded = _sharded_state(chunks, optimizer, True)
+    if skip and optimizer is not None:
+        raise ValueError("load_role: skip is for model-only loads (no optimizer state)")
+    for chunk_state in sharded["model"].values():
+        for name in skip:
+            chunk_state.pop(name, None)
+    state = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_SUBDIR))
     for i, module in enumerate(_modules(chunks)):
-        module.load_state_dict(state["model"][f"chunk{i}"])
+        result = module.load_state_dict(state["model"][f"chunk{i}"], strict=not skip)
+        if skip and (result.unexpected_keys or set(result.missing_keys) - set(skip)):
+            raise ValueError(
+                f"{ckpt_dir}: loading chunk {i} left {result.missing_keys} unset and "
+                f"{result.unexpected_keys} unused (only {list(skip)} may be skipped)"
+            )
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

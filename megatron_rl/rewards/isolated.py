@@ -23,6 +23,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Connection
 
+from megatron_rl.procutil import outlive_job_signals
 from megatron_rl.rewards.base import RewardFunction, RewardInput, finite_scores
 
 READY = "ready"
@@ -146,17 +147,6 @@ class IsolatedRewardFunction(RewardFunction):
 # ---------------------------------------------------------------------------- the child side
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the trainer dies, even while stuck in C code."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _score(fn: RewardFunction, batch: list[RewardInput], out: Connection) -> None:
     if fn.batched:
         try:
@@ -175,7 +165,7 @@ def _score(fn: RewardFunction, batch: list[RewardInput], out: Connection) -> Non
 
 
 def child_main(read_fd: int, write_fd: int) -> None:
-    _die_with_parent()
+    outlive_job_signals()
     inbox, out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     config = inbox.recv()
     try:

@@ -41,6 +41,7 @@ from megatron_rl.models.dist_checkpoint import (
     save_role,
     write_metadata,
 )
+from megatron_rl.models.source import ModelSource
 from megatron_rl.workers.optimizer import apply_hyperparameters
 
 
@@ -79,7 +80,7 @@ def save_roles(out: Path, roles: dict, sources: dict[str, str], layout: dict | N
         save_role(role.chunks, role.optimizer, out / name)
         if torch.distributed.get_rank() == 0:
             write_metadata(out / name, name, role.arch, saved_layout=layout, source=sources[name])
-            copy_side_files(Path(sources[name]), out / name / HF_META_SUBDIR)
+            copy_side_files(ModelSource(sources[name]).hf_dir, out / name / HF_META_SUBDIR)
 
 
 def load_roles(path: Path, roles: dict) -> None:
@@ -114,6 +115,8 @@ class CorruptCheckpoint(RuntimeError):
 
 
 STEP_DIR = re.compile(r"step_\d+")
+HF_EXPORTS = "hf"
+"""output_dir/hf/step_N: the actor as a Hugging Face model (`trainer.save_hf_interval`)."""
 
 
 def checkpoint_step(path: Path) -> int:
@@ -124,16 +127,32 @@ def previous_run_files(output_dir: str | Path) -> list[Path]:
     """What an earlier run left in `output_dir` that a new run would mix with its own."""
     out = Path(output_dir)
     found = [out / "metrics.jsonl"] if (out / "metrics.jsonl").exists() else []
-    root = out / "checkpoints"
-    if root.is_dir():
-        found += sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
+    for root in (out / "checkpoints", out / HF_EXPORTS):
+        if root.is_dir():
+            found += sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
     return found
 
 
+def save_hf_export(out: Path, write) -> None:
+    """`write(tmp)` (a collective) fills `.step_N.tmp` beside `out`; rank 0 then replaces
+    `out` with it, so `out` is always a whole model (a redone step's export is replaced)."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    write(tmp)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    torch.distributed.barrier()
+
+
 def clear_previous_run(output_dir: str | Path) -> None:
-    """`trainer.overwrite`: remove the checkpoints, metrics and TensorBoard logs of a run."""
+    """`trainer.overwrite`: remove the checkpoints, HF exports, metrics and TensorBoard logs
+    of a run."""
     out = Path(output_dir)
-    for d in (out / "checkpoints", out / "tensorboard"):
+    for d in (out / "checkpoints", out / HF_EXPORTS, out / "tensorboard"):
         shutil.rmtree(d, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
 

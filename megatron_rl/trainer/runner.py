@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import yaml
@@ -20,7 +21,7 @@ import yaml
 from megatron_rl import platform
 from megatron_rl.config import ConfigError, TrainConfig, to_dict, validate_config
 from megatron_rl.data.batch import forward_microbatches, mini_batches, rated_to_batch
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.collectives import (
     any_rank,
     data_parallel_explained_variance,
@@ -32,12 +33,14 @@ from megatron_rl.rollout.rating import generate_samples_with_rating, request_see
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.trainer.checkpoint import (
+    HF_EXPORTS,
     CheckpointManager,
     CorruptCheckpoint,
     clear_previous_run,
     load_roles,
     previous_run_files,
     rng_state,
+    save_hf_export,
     save_roles,
     set_rng_state,
 )
@@ -107,11 +110,12 @@ class RLTrainer:
         self.config = config
         c, t = config, config.trainer
         layout = c.parallel
-        arch = ModelArchitecture.from_hf_config(c.model.path)
+        policy_source = ModelSource(c.model.path)
+        arch = policy_source.architecture()
         self.ctx = platform.initialize(
             layout, arch=arch, seed=t.seed, deterministic=t.deterministic
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(c.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
         self.eval_prompts = None
@@ -132,18 +136,17 @@ class RLTrainer:
         self.critic = None
         if c.use_critic:
             critic_path = c.model.critic_path or c.model.path
-            critic_arch = ModelArchitecture.from_hf_config(critic_path)
+            critic_arch = ModelSource(critic_path).architecture()
             self.critic = Critic(
                 critic_arch, layout, critic_path, precision, c.critic.optim, recompute
             )
-            self._load_rm_head(critic_path)
         r = c.rollout
         self.shm = ShmRecord(t.output_dir, self.ctx.rank)
         stale = self.shm.remove_stale()
         if stale:
             print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
         self.engine = VLLMEngine(
-            c.model.path,
+            policy_source.hf_dir,
             EngineConfig(
                 tensor_parallel_size=r.vllm_tensor_parallel_size or layout.model_parallel_size,
                 seed=t.seed,
@@ -151,8 +154,15 @@ class RLTrainer:
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 cpu_kv_cache_space_gib=r.cpu_kv_cache_space_gib,
                 external_launcher="WORLD_SIZE" in os.environ,
+                # A Megatron checkpoint has no HF weights: vLLM starts from random ones and
+                # takes the actor's at once (below), as after every update.
+                extra={"load_format": "dummy"} if policy_source.is_megatron else {},
             ),
         )
+        if policy_source.is_megatron:
+            from megatron_rl.sync.weight_sync import sync_weights
+
+            sync_weights(self.actor, self.engine)
         self.shm.write()
         self.sampling = SamplingConfig(
             n=r.n_samples_per_prompt,
@@ -183,14 +193,6 @@ class RLTrainer:
             self.resume_from_newest()
 
     # ------------------------------------------------------------------ set-up helpers
-
-    def _load_rm_head(self, critic_path: str) -> None:
-        from megatron_rl.models.critic import load_value_head
-        from megatron_rl.models.hf_mapping import HFCheckpointReader
-
-        reader = HFCheckpointReader(critic_path)
-        if "score.weight" in reader.keys():  # a reward model: its score head is the value head
-            load_value_head(self.critic.chunks, reader)
 
     def _on_signal(self, signum, frame) -> None:
         # SLURM pre-emption (SIGTERM, or SIGUSR1 from --signal): finish the step, save, exit.
@@ -392,6 +394,22 @@ class RLTrainer:
         path = self.checkpoints.save(progress, write_roles, rng_state(), trainer_state, config_yaml)
         if self.ctx.rank == 0:
             print(f"saved checkpoint {path}", flush=True)
+
+    def save_hf(self) -> Path:
+        """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`)."""
+        from megatron_rl.models.hf_export import save_hf_pretrained
+
+        out = Path(self.config.trainer.output_dir) / HF_EXPORTS / f"step_{self.step:06d}"
+        meta_dir = ModelSource(self.config.model.path).hf_dir
+        save_hf_export(
+            out,
+            lambda tmp: save_hf_pretrained(
+                self.actor.chunks, self.actor.arch, "actor", meta_dir, tmp
+            ),
+        )
+        if self.ctx.rank == 0:
+            print(f"saved Hugging Face model {out}", flush=True)
+        return out
 
     def resume_from_newest(self) -> None:
         """Resume from `latest`; a checkpoint some rank cannot read is named by that rank,

@@ -12,7 +12,7 @@ from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
-from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.models.source import ModelSource
 from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.losses_config import ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -29,16 +29,17 @@ class Critic(TrainableRole):
         self,
         arch: ModelArchitecture,
         layout: ParallelLayout,
-        hf_dir: str | Path | None = None,
+        model_path: str | Path | None = None,
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
     ):
-        """`hf_dir`: the policy's (or a reward model's) transformer weights; the value head
-        starts from a small random init until a reward model's score head is converted in."""
+        """`model_path`: a critic checkpoint, a reward model (its score head is the value
+        head) or the policy (the value head starts from a small random init); HF or Megatron,
+        see `models.source.ModelSource.load_critic`."""
         chunks = build_critic_chunks(arch, layout, precision, recompute=recompute)
-        if hf_dir is not None:
-            load_hf_into_megatron(chunks, hf_dir, arch, skip={"output_layer.weight"})
+        if model_path is not None:
+            ModelSource(model_path).load_critic(chunks, arch)
         super().__init__(arch, layout, chunks, precision, optim or OptimConfig(lr=2e-6))
 
     def compute_values(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:

@@ -21,7 +21,7 @@ from megatron_rl.algorithms.losses import (
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
-from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
 from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -39,10 +39,10 @@ def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size))
 
 
-def _policy_chunks(arch, layout, hf_dir, precision, recompute=None) -> list:
+def _policy_chunks(arch, layout, model_path, precision, recompute=None) -> list:
     chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute)
-    if hf_dir is not None:
-        load_hf_into_megatron(chunks, hf_dir, arch)
+    if model_path is not None:
+        ModelSource(model_path).load_policy(chunks, arch)
     return chunks
 
 
@@ -65,10 +65,10 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         self,
         arch: ModelArchitecture,
         layout: ParallelLayout,
-        hf_dir: str | Path | None = None,
+        model_path: str | Path | None = None,
         precision: PrecisionConfig | None = None,
     ):
-        chunks = _policy_chunks(arch, layout, hf_dir, precision)
+        chunks = _policy_chunks(arch, layout, model_path, precision)
         for chunk in chunks:
             chunk.requires_grad_(False)
         super().__init__(arch, layout, chunks, precision)
@@ -81,12 +81,12 @@ class Actor(_LogProbs, TrainableRole):
         self,
         arch: ModelArchitecture,
         layout: ParallelLayout,
-        hf_dir: str | Path | None = None,
+        model_path: str | Path | None = None,
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
     ):
-        chunks = _policy_chunks(arch, layout, hf_dir, precision, recompute)
+        chunks = _policy_chunks(arch, layout, model_path, precision, recompute)
         super().__init__(arch, layout, chunks, precision, optim)
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):

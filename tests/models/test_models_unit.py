@@ -163,3 +163,23 @@ def test_megatron_shards_round_trip_to_hf_tensors(tiny_model_dir):
         )  # embed, lm_head, norm + one layer: 2 norms, q/k/v w+b, o, gate, up, down
         for hf_name, tensor in rebuilt.items():
             assert torch.equal(tensor, reader(hf_name)), (tp, hf_name)
+
+
+def test_model_source_reads_hf_directories_and_megatron_checkpoints(tiny_model_dir, tmp_path):
+    from megatron_rl.models.dist_checkpoint import copy_side_files, write_metadata
+    from megatron_rl.models.source import ModelSource
+
+    hf = ModelSource(tiny_model_dir)
+    assert not hf.is_megatron and hf.hf_dir == tiny_model_dir and hf.saved_role is None
+    for role in ("actor", "critic"):
+        ckpt = tmp_path / role
+        ckpt.mkdir()
+        write_metadata(ckpt, role, hf.architecture())
+        copy_side_files(tiny_model_dir, ckpt / "hf_meta")
+        source = ModelSource(str(ckpt))
+        assert source.is_megatron and source.saved_role == role
+        assert source.hf_dir == ckpt / "hf_meta" and (source.hf_dir / "tokenizer.json").exists()
+        assert source.architecture() == hf.architecture()
+    # Refused before any tensor is touched: a value head cannot become a vocabulary projection.
+    with pytest.raises(ValueError, match="is a critic checkpoint .* cannot start a policy"):
+        ModelSource(tmp_path / "critic").load_policy([], hf.architecture())

@@ -1,11 +1,12 @@
 """torchrun worker: an actor and a critic take one update on a fixed batch, are saved as the
 trainer saves them (`trainer.checkpoint.save_roles`), and take a second update; `--load`
 instead builds them at this run's layout, loads the save and takes that second update.
-Writes (the last rank) the second update's metrics, the actor's log-probs after it, and both roles'
-full Hugging Face tensors before and after it to --out.
+Writes (the last rank) the second update's metrics, the actor's log-probs after it, and both
+roles' full Hugging Face tensors before and after it to --out; the saving run also the actor
+after the second update from the saved weights without the saved Adam state.
 
     torchrun --nproc-per-node 2 -m tests.torchrun.reshard --hf-dir D --ckpt C --out F
-        --tp 2 --pp 1 [--load | --model-only]
+        --tp 2 --pp 1 [--load]
 """
 
 import argparse
@@ -43,7 +44,6 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--load", action="store_true")
-    p.add_argument("--model-only", action="store_true", help="load no optimizer state")
     a = p.parse_args()
     arch = ModelArchitecture.from_hf_config(a.hf_dir)
     layout = platform.ParallelLayout(
@@ -57,10 +57,7 @@ def main():
     critic = Critic(arch, layout, a.hf_dir, optim=optim)
     roles = {"actor": actor, "critic": critic}
     policy, value = PolicyLossConfig(nll_coef=0.1), ValueLossConfig()
-    if a.model_only:
-        for name, role in roles.items():
-            load_role(role.chunks, None, a.ckpt / name)
-    elif a.load:
+    if a.load:
         load_roles(a.ckpt, roles)
     else:
         actor.update(batch, policy, 2)
@@ -77,6 +74,11 @@ def main():
         "logprobs": actor.compute_logprobs(batch),
         "after": {"actor": full(actor), "critic": full(critic)},
     }
+    if not a.load:  # the same weights with fresh Adam state
+        fresh = Actor(arch, layout, None, optim=optim)
+        load_role(fresh.chunks, None, a.ckpt / "actor")
+        fresh.update(batch, policy, 2)
+        result["model_only_after"] = full(fresh)
     if ctx.rank == ctx.world_size - 1:  # a last pipeline stage: it has the loss metrics
         torch.save(result, a.out)
     platform.destroy()
