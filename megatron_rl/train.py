@@ -77,13 +77,13 @@ def train(trainer) -> None:
         ):
             metrics.update(trainer.evaluate())
         trainer.logger.log(trainer.step, metrics)
-        if trainer.stop_requested_anywhere():
-            trainer.save()
-            sys.exit(0)
-        if trainer.step == total or (interval and trainer.step % interval == 0):
-            trainer.save()
+        stop = trainer.stop_requested_anywhere()
+        if stop or trainer.step == total or (interval and trainer.step % interval == 0):
+            trainer.save()  # first: on pre-emption the checkpoint is what must be complete
         if t.save_hf_interval and (trainer.step == total or trainer.step % t.save_hf_interval == 0):
-            trainer.save_hf()
+            trainer.save_hf()  # a step the resumed run will not redo
+        if stop:
+            sys.exit(0)
 
 
 def main(argv=None) -> None:

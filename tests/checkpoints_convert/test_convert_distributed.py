@@ -83,9 +83,9 @@ def assert_bit_identical(a_dir, b_dir):
 @pytest.mark.parametrize(
     "model, save, load",
     [
-        ("untied", (1, 2), (2, 1)),
         # TP2PP2 once (tied: the embedding shared across the first and last stage is the
-        # harder case). Untied TP=2 -> TP=1: the reward-model -> critic test.
+        # harder case). Untied TP=2 -> TP=1: the reward-model -> critic test; untied TP2 ->
+        # trained -> TP1 and PP2: tests/trainer/test_journey_distributed.py.
         ("tied", (2, 2), (1, 2)),
         # Qwen3: the q/k norms through megatron's sharded checkpoint, head_dim != hidden/heads.
         ("qwen3", (2, 1), (1, 2)),
