@@ -41,8 +41,10 @@ def vllm_engine(tiny_model_dir):
 
 def pytest_collection_modifyitems(config, items):
     # An in-process vLLM engine initialises torch.distributed for the rest of the session:
-    # the `vllm` tests run last, so no other test depends on where they sit in the tree.
-    items.sort(key=lambda item: "vllm" in item.keywords)  # stable: the order is kept otherwise
+    # the modules with `vllm` tests run last, so no other test depends on where they sit in
+    # the tree. Whole modules move, so a module-scoped fixture is built once, not twice.
+    late = {item.nodeid.split("::")[0] for item in items if "vllm" in item.keywords}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in late)  # stable: the order is kept otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
