@@ -66,7 +66,17 @@ class RolloutConfig:
     """Group sampling (VAPO: 16)."""
     max_new_tokens: int = 64
     temperature: float = 1.0
+    """Sampling temperature (> 0). The actor, the reference and the entropy use the same
+    softmax(logits / T) the samples were drawn from."""
     top_p: float = 1.0
+    top_k: int = 0
+    """Truncated sampling (top_p < 1, top_k >= 1) samples from a distribution the trainer does
+    not model (it uses the full tempered vocabulary, as verl and OpenRLHF do): RL recipes keep
+    both off; if on, `algorithm.rollout_correction` reweights by the engine's log-probs."""
+    dtype: str | None = None
+    """The rollout engine's dtype (vLLM's `dtype`); None: the policy's
+    `model.precision.params_dtype`. A lower precision than the trainer's leaves a log-prob gap
+    (`logprob_gap_*`, `rollout_corr/*`) that `algorithm.rollout_correction` can correct."""
     vllm_tensor_parallel_size: int | None = None
     """vLLM's TP; None: one engine per model-parallel group (TP x PP ranks)."""
     max_model_len: int | None = None
@@ -76,6 +86,21 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=1)
+        if not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 for RL rollouts (0 is greedy: no distribution to "
+                f"train on), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+
+    @property
+    def truncated(self) -> bool:
+        return self.top_p < 1 or self.top_k > 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +112,11 @@ class ActorConfig:
     micro_batch_size: int = 4
     """Samples per forward/backward on one rank."""
     ppo_epochs: int = 1
+    grad_offload: bool = False
+    """Free the gradient buffers between updates (rollout, experience, sync): memory for vLLM."""
+    optimizer_offload: bool = False
+    """Keep the optimizer's state and master weights in host memory between updates (needs
+    bf16/fp16 params: with fp32 ones megatron's optimizer steps the model's own weights)."""
 
     def __post_init__(self) -> None:
         check_at_least(self, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
@@ -105,6 +135,10 @@ class CriticConfig:
     pretrain_ev_warn_below: float = 0.3
     """Warn when value pretraining ends below this explained variance: the critic then
     explains little of the returns, and GAE advantages (lambda < 1) lean on its noise."""
+    grad_offload: bool = False
+    """As actor.grad_offload, for the critic."""
+    optimizer_offload: bool = False
+    """As actor.optimizer_offload, for the critic."""
 
 
 @dataclass(frozen=True)
@@ -382,6 +416,14 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             f"algorithm.estimator={config.algorithm.estimator!r} needs "
             f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
         )
+    if config.model.precision.params_dtype == torch.float32:
+        for role in ("actor", "critic"):
+            if getattr(config, role).optimizer_offload:
+                raise ConfigError(
+                    f"{role}.optimizer_offload needs model.precision.params_dtype bfloat16 or "
+                    "float16: with float32 parameters megatron's optimizer steps the model's "
+                    "own weights, which would leave the device with it"
+                )
     if config.critic.pretrain_steps and not config.use_critic:
         raise ConfigError(
             "critic.pretrain_steps > 0 needs a critic (critic.enable or estimator gae)"

@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config, items):
     # the modules with `vllm` tests run last, so no other test depends on where they sit in
     # the tree. Whole modules move, so a module-scoped fixture is built once, not twice.
     late = {item.nodeid.split("::")[0] for item in items if "vllm" in item.keywords}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] in late)  # stable: the order is kept otherwise
+    # sort is stable: the order is kept otherwise
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in late)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -81,6 +81,17 @@ def test_vapo_recipe_uses_the_papers_settings():
             r"model.recompute: recompute granularity='partial'",
         ),
         ("actor", r"override 'actor': expected key=value"),
+        ("rollout.temperature=0", r"config section rollout: temperature must be > 0 for RL"),
+        ("rollout.top_k=-2", r"rollout: top_k must be 0 or -1 \(off\) or >= 1, got -2"),
+        ("rollout.dtype=fp8", r"rollout: dtype must be one of float32, bfloat16, float16"),
+        (
+            "algorithm.rollout_correction.rollout_is=seq",
+            r"algorithm.rollout_correction.rollout_is: 'seq' is not one of",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs=geometric",
+            r"rollout_rs=geometric needs rollout_rs_threshold > 1, got None",
+        ),
     ],
 )
 def test_bad_keys_and_values_are_named(override, message):
@@ -138,6 +149,12 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
             ),
             2,
         )
+    with pytest.raises(ConfigError, match="critic.optimizer_offload needs model.precision"):
+        validate_config(config_for(tiny_model_dir, "critic.optimizer_offload=true"), 2)
+    bf16 = config_for(
+        tiny_model_dir, "critic.optimizer_offload=true", "model.precision.params_dtype=bfloat16"
+    )
+    validate_config(bf16, 2)
 
 
 def test_critic_and_reference_follow_the_algorithm(tiny_model_dir):

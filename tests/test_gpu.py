@@ -125,3 +125,35 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     resumed.update(batch, loss, num_microbatches=2)
     for a, b in zip(first.chunks[0].parameters(), resumed.chunks[0].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
+    single_rank, tiny_model_dir, distributed
+):
+    """grad_offload / optimizer_offload free device memory between updates: the device
+    memory drops, and two steps with offloading in between equal two steps without."""
+    from megatron_rl.workers.optimizer import OptimConfig
+    from tests.torchrun.actor_critic import global_batch
+
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    layout = platform.ParallelLayout()
+    platform.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed)
+    batch = global_batch(arch.vocab_size)
+    batch = batch.with_fields(
+        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    )
+    loss = PolicyLossConfig()
+    plain = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
+    offloaded = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
+    for _ in range(2):
+        plain.update(batch, loss, num_microbatches=2)
+        offloaded.update(batch, loss, num_microbatches=2)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        offloaded.offload(grads=True, optimizer=True)
+        assert torch.cuda.memory_allocated() < before
+    for a, b in zip(plain.chunks[0].parameters(), offloaded.chunks[0].parameters(), strict=True):
+        assert torch.equal(a, b)

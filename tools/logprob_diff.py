@@ -1,10 +1,13 @@
 """Log-prob parity check: vLLM's log-probs for tokens it sampled vs the Megatron actor's.
 
     python -m tools.logprob_diff --hf-dir D [--tp 2 --pp 1 --vllm-tp 1 --prompts 8 --samples-per-prompt 4]
+        [--temperature 0.7 --top-p 1.0 --top-k 0 --vllm-dtype float32]
 
 Samples --samples-per-prompt responses for --prompts random prompts with a colocated vLLM engine, recomputes
-their log-probs with the Megatron actor (the HF weights under --tp/--pp), and prints one JSON
-line with the mean and max absolute gap over response tokens. Starts itself under torchrun
+their log-probs with the Megatron actor (the HF weights under --tp/--pp, at the sampling
+temperature), and prints one JSON line with the mean and max absolute gap over response
+tokens. With --top-p < 1 or --top-k the gap is the truncation's (the trainer models the
+full tempered distribution); with --vllm-dtype bfloat16 it is the rollout precision's. Starts itself under torchrun
 with TP*PP processes. Exit code 1 when a token's gap exceeds atol + rtol * |actor log-prob|
 (fp32 defaults: log-probs of a few nats agree to ~1e-6 between the engines; sampled tokens
 far in the tail have log-probs of -20 and more, whose rounding scales with them).
@@ -29,6 +32,10 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-4)
     return p.parse_args(argv)
@@ -49,18 +56,29 @@ def worker(a) -> None:
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )
     ctx = platform.initialize(layout, arch=arch)
-    policy = ReferencePolicy(arch, layout, a.hf_dir)  # forward-only: no optimizer state needed
+    # forward-only: no optimizer state needed
+    policy = ReferencePolicy(arch, layout, a.hf_dir, temperature=a.temperature)
     engine = VLLMEngine(
         a.hf_dir,
-        EngineConfig(external_launcher=True, tensor_parallel_size=a.vllm_tp, max_model_len=1024),
+        EngineConfig(
+            external_launcher=True,
+            tensor_parallel_size=a.vllm_tp,
+            max_model_len=1024,
+            dtype=a.vllm_dtype,
+        ),
     )
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, arch.vocab_size, (8,), generator=g).tolist() for _ in range(a.prompts)
     ]
-    samples = engine.generate(
-        prompts, SamplingConfig(n=a.samples_per_prompt, max_new_tokens=a.max_new_tokens)
+    sampling = SamplingConfig(
+        n=a.samples_per_prompt,
+        max_new_tokens=a.max_new_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
     )
+    samples = engine.generate(prompts, sampling)
     batch = samples_to_batch(samples)
     sampled = torch.zeros(batch.input_ids.shape)  # the log-probs vLLM reported while sampling
     for i, s in enumerate(samples):
@@ -70,14 +88,20 @@ def worker(a) -> None:
     gap = logprob_gap(sampled, actor_lp, batch.response_mask)
     on_response = batch.response_mask.bool()
     within = compare(sampled[on_response], actor_lp[on_response], Tolerance(a.rtol, a.atol))
-    rescored = logprob_gap(engine_token_logprobs(engine, batch), sampled, batch.response_mask)
+    rescored = None
+    if a.temperature == 1.0 and a.top_p == 1.0 and a.top_k <= 0:  # scoring is at T = 1
+        rescored = logprob_gap(engine_token_logprobs(engine, batch), sampled, batch.response_mask)
     if ctx.rank == 0:
         result = {
             "layout": f"TP{a.tp}PP{a.pp}",
             "vllm_tp": a.vllm_tp,
+            "vllm_dtype": a.vllm_dtype,
+            "temperature": a.temperature,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
             "response_tokens": int(batch.response_mask.sum()),
             **gap,
-            "engine_sampling_vs_rescoring_max": rescored["logprob_gap_max"],
+            "engine_sampling_vs_rescoring_max": rescored and rescored["logprob_gap_max"],
             "rtol": a.rtol,
             "atol": a.atol,
             "max_rel_diff": within.max_rel_diff,

@@ -23,7 +23,7 @@ whitening needs global moments. Call the estimator, all-reduce `out.raw_moments(
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +37,7 @@ from megatron_rl.algorithms.checks import (
 from megatron_rl.algorithms.kl import kl_penalized_token_rewards
 from megatron_rl.algorithms.masked import Moments, masked_whiten
 from megatron_rl.algorithms.registry import lookup, registrar
+from megatron_rl.algorithms.rollout_correction import RolloutCorrectionConfig
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,10 @@ class AdvantageConfig:
     """GRPO: divide by the group std (False gives Dr. GRPO's mean-only baseline)."""
     eps: float = 1e-6
     """Added to the group std in GRPO."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights / rejection for the rollout engine's policy differing from the
+    trainer's (verl's `algorithm.rollout_correction`); read by the experience maker, not the
+    estimators."""
 
     def __post_init__(self) -> None:
         for name in ("gamma", "lambda_policy", "lambda_critic"):

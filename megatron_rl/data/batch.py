@@ -31,6 +31,9 @@ class TrainingBatch:
     """[B, S] critic values at sampling time (value clipping)."""
     scores: torch.Tensor | None = None
     """[B] outcome rewards (positive-sample NLL)."""
+    rollout_is_weights: torch.Tensor | None = None
+    """[B, S] truncated importance weights pi_old / pi_rollout on the policy-gradient term
+    (`algorithm.rollout_correction.rollout_is`); None: no weighting."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:

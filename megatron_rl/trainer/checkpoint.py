@@ -149,12 +149,13 @@ def save_hf_export(out: Path, write) -> None:
 
 
 def clear_previous_run(output_dir: str | Path) -> None:
-    """`trainer.overwrite`: remove the checkpoints, HF exports, metrics and TensorBoard logs
-    of a run."""
+    """`trainer.overwrite`: remove the checkpoints, HF exports, metrics, memory timeline and
+    TensorBoard logs of a run."""
     out = Path(output_dir)
     for d in (out / "checkpoints", out / HF_EXPORTS, out / "tensorboard"):
         shutil.rmtree(d, ignore_errors=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
+    for f in ("metrics.jsonl", "memory_timeline.jsonl"):
+        (out / f).unlink(missing_ok=True)
 
 
 class CheckpointManager:

@@ -6,6 +6,8 @@ samples -> tokens + response mask, scores, groups
         -> values (only with a critic)
         -> advantages and returns (the configured estimator; whitening with moments
            all-reduced over data-parallel ranks, so it is global)
+        -> rollout correction: the engine's log-probs against the old ones (diagnostics
+           every step; importance weights / rejection when configured)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_rl.algorithms.advantages import (
 )
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.masked import masked_mean
+from megatron_rl.algorithms.rollout_correction import CorrectionSums, compute_rollout_correction
 from megatron_rl.data.batch import (
     TrainingBatch,
     engine_logprobs_of,
@@ -28,7 +31,9 @@ from megatron_rl.data.batch import (
 )
 from megatron_rl.parallel.collectives import (
     data_parallel_explained_variance,
+    data_parallel_max,
     data_parallel_moments,
+    data_parallel_sum,
 )
 
 
@@ -55,7 +60,7 @@ def make_experience(
     groups, actor, critic, reference, config, micro_batch_size: int, pad_token_id: int
 ) -> tuple[TrainingBatch, dict[str, float]]:
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch and
-    the experience metrics (KL, log-prob gap engine vs trainer, advantage/value means)."""
+    the experience metrics (KL, engine vs trainer log-probs, advantage/value means)."""
     batch, group_index = rated_to_batch(groups, pad_token_id)
     nmb = forward_microbatches(len(batch), micro_batch_size)
     mask = batch.response_mask
@@ -81,12 +86,8 @@ def make_experience(
         if lam.numel():
             metrics["lambda_policy_mean"] = lam.mean().item()
             metrics["lambda_policy_min"] = lam.min().item()
-    engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
-    gap = (engine_lp - old).abs()[mask.bool()]
     metrics.update(
         {
-            "logprob_gap_mean": gap.mean().item() if gap.numel() else 0.0,
-            "logprob_gap_max": gap.max().item() if gap.numel() else 0.0,
             "advantages_mean": masked_mean(advantages, mask).item(),
             "returns_mean": masked_mean(returns, mask).item(),
         }
@@ -96,4 +97,14 @@ def make_experience(
         metrics["critic/explained_variance"] = data_parallel_explained_variance(
             values, returns, mask
         )
+    engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
+    rc_config = config.algorithm.rollout_correction
+    rc = compute_rollout_correction(old, engine_lp, mask, rc_config)
+    metrics.update(CorrectionSums.metrics(data_parallel_sum(rc.sums), data_parallel_max(rc.maxima)))
+    if rc.weights is not None:
+        fields["rollout_is_weights"] = rc.weights
+    if rc_config.rejects:
+        # Rejected tokens leave the update (actor and critic) and its token counts; the
+        # advantages above were computed over the whole responses.
+        fields["response_mask"] = rc.keep
     return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics

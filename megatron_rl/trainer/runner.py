@@ -45,9 +45,11 @@ from megatron_rl.trainer.checkpoint import (
     set_rng_state,
 )
 from megatron_rl.trainer.experience import compute_advantages, make_experience
+from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import MetricsLogger
 
 STAGES = {"value_pretrain": 1, "train": 2}
+MEMORY_TIMELINE = "memory_timeline.jsonl"
 
 
 class DataParallelShard:
@@ -129,9 +131,14 @@ class RLTrainer:
         torch.distributed.barrier()
         precision = c.model.precision
         recompute = c.model.recompute
-        self.actor = Actor(arch, layout, c.model.path, precision, c.actor.optim, recompute)
+        temperature = c.rollout.temperature
+        self.actor = Actor(
+            arch, layout, c.model.path, precision, c.actor.optim, recompute, temperature
+        )
         self.reference = (
-            ReferencePolicy(arch, layout, c.model.path, precision) if c.use_reference else None
+            ReferencePolicy(arch, layout, c.model.path, precision, temperature)
+            if c.use_reference
+            else None
         )
         self.critic = None
         if c.use_critic:
@@ -141,6 +148,14 @@ class RLTrainer:
                 critic_arch, layout, critic_path, precision, c.critic.optim, recompute
             )
         r = c.rollout
+        if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:
+            print(
+                f"warning: rollout.top_p={r.top_p} / top_k={r.top_k} sample from a truncated "
+                "distribution while the trainer's policy is the full tempered one: an "
+                "off-policy gap (logged as logprob_gap_*, rollout_corr/*) that "
+                "algorithm.rollout_correction.rollout_is would reweight",
+                flush=True,
+            )
         self.shm = ShmRecord(t.output_dir, self.ctx.rank)
         stale = self.shm.remove_stale()
         if stale:
@@ -149,6 +164,7 @@ class RLTrainer:
             policy_source.hf_dir,
             EngineConfig(
                 tensor_parallel_size=r.vllm_tensor_parallel_size or layout.model_parallel_size,
+                dtype=r.dtype or str(precision.params_dtype).removeprefix("torch."),
                 seed=t.seed,
                 max_model_len=r.max_model_len,
                 gpu_memory_utilization=r.gpu_memory_utilization,
@@ -168,6 +184,7 @@ class RLTrainer:
             n=r.n_samples_per_prompt,
             temperature=r.temperature,
             top_p=r.top_p,
+            top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
         )
         sizes = (
@@ -183,6 +200,10 @@ class RLTrainer:
             layout={k: getattr(layout, k) for k in sizes},
         )
         self.logger = MetricsLogger(t.output_dir, t.total_steps, self.ctx.rank == 0, t.tensorboard)
+        self.memory = MemoryTimeline(
+            Path(t.output_dir) / MEMORY_TIMELINE if self.ctx.rank == 0 else None,
+            lambda: "+".join(sorted(self.engine.awake)) or "asleep",
+        )
         self.step = 0
         self.value_pretrain_step = 0
         self.nonfinite_in_a_row = 0
@@ -244,6 +265,14 @@ class RLTrainer:
             )
         return groups, metrics
 
+    def offload_trained_roles(self) -> None:
+        """`actor/critic.grad_offload`, `optimizer_offload`: until their next update (which
+        brings them back), what only training needs leaves the device for vLLM."""
+        for name, role in self.trained_roles.items():
+            if role is not None:
+                cfg = getattr(self.config, name)
+                role.offload(grads=cfg.grad_offload, optimizer=cfg.optimizer_offload)
+
     def _minibatch_plan(self) -> tuple[int, int]:
         a = self.config.actor
         per_rank = a.ppo_mini_batch_size // self.dp_size
@@ -270,37 +299,48 @@ class RLTrainer:
             actor_records + critic_records,
             c.trainer.max_nonfinite_in_a_row,
         )
+        self.offload_trained_roles()
         metrics = _mean_metrics(actor_records)
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(critic_records).items()})
         metrics["num_updates"] = float(len(actor_records))
         return metrics
 
     def train_step(self) -> dict[str, float]:
-        """One PPO/GRPO/... step: rollout, experience, updates, weight sync."""
+        """One PPO/GRPO/... step: rollout; the engine sleeps (KV cache freed, weights dropped)
+        while Megatron computes the experience and trains; it wakes its weights for the sync,
+        then its KV cache for the next rollout."""
         c, step = self.config, self.step
         t0 = time.perf_counter()
-        groups, metrics = self.generate_and_score("train", step)
+        with self.memory.phase("rollout"):
+            groups, metrics = self.generate_and_score("train", step)
         if not groups:  # dynamic filtering found nothing informative within its cap
             self.step += 1
             metrics["skipped_update"] = 1.0
+            metrics.update(self.memory.end_step(self.step, "train"))
             return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
-        batch, exp_metrics = make_experience(
-            groups,
-            self.actor,
-            self.critic,
-            self.reference,
-            c,
-            c.actor.micro_batch_size,
-            self.pad_token_id,
-        )
+        self.engine.sleep(level=2)  # its weights come back with the sync below
+        with self.memory.phase("experience"):
+            batch, exp_metrics = make_experience(
+                groups,
+                self.actor,
+                self.critic,
+                self.reference,
+                c,
+                c.actor.micro_batch_size,
+                self.pad_token_id,
+            )
         t2 = time.perf_counter()
         metrics.update(exp_metrics)
-        metrics.update(self.update(batch, step))
+        with self.memory.phase("train"):
+            metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
         from megatron_rl.sync.weight_sync import sync_weights
 
-        sync_weights(self.actor, self.engine)
+        self.engine.wake_up(("weights",))
+        with self.memory.phase("sync"):
+            sync_weights(self.actor, self.engine)
+        self.engine.wake_up(("kv_cache",))
         t4 = time.perf_counter()
         tokens = float(
             batch.response_mask.sum()
@@ -317,16 +357,29 @@ class RLTrainer:
             }
         )
         self.step += 1
+        metrics.update(self.memory.end_step(self.step, "train"))
         return reduce_over_ranks(metrics)
 
     def value_pretrain_step_once(self) -> dict[str, float]:
         """VC-PPO/VAPO value pretraining: policy frozen, critic regresses lambda = 1
         Monte-Carlo returns (the final reward on every token when gamma = 1)."""
-        c, step = self.config, self.value_pretrain_step
-        groups, metrics = self.generate_and_score("value_pretrain", step)
+        step = self.value_pretrain_step
+        with self.memory.phase("rollout"):
+            groups, metrics = self.generate_and_score("value_pretrain", step)
         if not groups:
             self.value_pretrain_step += 1
+            metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
             return reduce_over_ranks({**metrics, "skipped_update": 1.0})
+        self.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
+        with self.memory.phase("train"):
+            metrics.update(self._value_pretrain_update(groups, step))
+        self.engine.wake_up()
+        self.value_pretrain_step += 1
+        metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
+        return reduce_over_ranks(metrics)
+
+    def _value_pretrain_update(self, groups, step: int) -> dict[str, float]:
+        c = self.config
         batch, group_index = rated_to_batch(groups, self.pad_token_id)
         per_rank, nmb = self._minibatch_plan()
         values = self.critic.compute_values(
@@ -342,12 +395,12 @@ class RLTrainer:
         self.nonfinite_in_a_row = nonfinite_streak(
             self.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
         )
-        metrics.update({f"critic/{k}": v for k, v in _mean_metrics(records).items()})
+        self.offload_trained_roles()
+        metrics = {f"critic/{k}": v for k, v in _mean_metrics(records).items()}
         metrics["critic/explained_variance"] = data_parallel_explained_variance(
             values, returns, batch.response_mask
         )
-        self.value_pretrain_step += 1
-        return reduce_over_ranks(metrics)
+        return metrics
 
     def evaluate(self) -> dict[str, float]:
         """Greedy accuracy on the held-out prompts (each DP rank scores its slice)."""

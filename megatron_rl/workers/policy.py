@@ -29,14 +29,19 @@ from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import MegatronRole, TrainableRole
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Vocab-sharded logits [B, S, V/tp] -> log-probs of each token given its prefix [B, S]."""
-    return shift_to_tokens(vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size))
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Vocab-sharded logits [B, S, V/tp] -> log-probs [B, S] of each token given its prefix,
+    under the sampling distribution softmax(logits / temperature)."""
+    return shift_to_tokens(
+        vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size, temperature)
+    )
 
 
-def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the distribution each token was drawn from: [B, S] aligned to tokens."""
-    return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size))
+    return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size, temperature))
 
 
 def _policy_chunks(arch, layout, model_path, precision, recompute=None) -> list:
@@ -47,11 +52,20 @@ def _policy_chunks(arch, layout, model_path, precision, recompute=None) -> list:
 
 
 class _LogProbs:
+    temperature: float = 1.0
+    """The rollout's sampling temperature: every log-prob, KL and entropy of the policy is of
+    softmax(logits / T), the distribution the samples were drawn from (verl and OpenRLHF
+    divide the logits the same way). Top-p / top-k truncation is not applied here: the
+    trainer's policy is the full tempered distribution, as in the anchors; the gap to what
+    the engine sampled from is what `algorithm.rollout_correction` corrects."""
+
     def compute_logprobs(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:
         """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank."""
-        vocab = self.arch.vocab_size
+        vocab, t = self.arch.vocab_size, self.temperature
         return self.forward_collect(
-            batch, num_microbatches, lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab)
+            batch,
+            num_microbatches,
+            lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab, t),
         )
 
 
@@ -67,11 +81,13 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         layout: ParallelLayout,
         model_path: str | Path | None = None,
         precision: PrecisionConfig | None = None,
+        temperature: float = 1.0,
     ):
         chunks = _policy_chunks(arch, layout, model_path, precision)
         for chunk in chunks:
             chunk.requires_grad_(False)
         super().__init__(arch, layout, chunks, precision)
+        self.temperature = temperature
 
 
 class Actor(_LogProbs, TrainableRole):
@@ -85,16 +101,25 @@ class Actor(_LogProbs, TrainableRole):
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
+        temperature: float = 1.0,
     ):
         chunks = _policy_chunks(arch, layout, model_path, precision, recompute)
         super().__init__(arch, layout, chunks, precision, optim)
+        self.temperature = temperature
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):
         tokens, seqs, positive = counts
         mask = mb.response_mask
-        logprobs = token_logprobs(logits, mb.input_ids, self.arch.vocab_size)
+        vocab, t = self.arch.vocab_size, self.temperature
+        logprobs = token_logprobs(logits, mb.input_ids, vocab, t)
+        advantages = mb.advantages
+        if mb.rollout_is_weights is not None:
+            # TIS: w > 0 times a token's clipped surrogate is the surrogate with w * A (both
+            # arms of PPO's max, and dual clip's, scale by w; verl multiplies the per-token
+            # loss). A policy loss registered here must keep that property.
+            advantages = advantages * mb.rollout_is_weights
         pg_loss, metrics = get_policy_loss_fn(cfg.loss_mode)(
-            logprobs, mb.old_logprobs, mb.advantages, mask, cfg, tokens, seqs
+            logprobs, mb.old_logprobs, advantages, mask, cfg, tokens, seqs
         )
         loss = pg_loss
         metrics["pg_loss"] = pg_loss
@@ -103,7 +128,7 @@ class Actor(_LogProbs, TrainableRole):
             loss = loss + cfg.nll_coef * nll
             metrics["nll_loss"] = nll
         if cfg.entropy_coef > 0:
-            entropy = token_entropy(logits, self.arch.vocab_size)
+            entropy = token_entropy(logits, vocab, t)
             loss = loss - cfg.entropy_coef * aggregate_loss(
                 entropy, mask, cfg.loss_agg_mode, tokens, seqs
             )
@@ -111,7 +136,7 @@ class Actor(_LogProbs, TrainableRole):
             # A metric only: no graph, so none of its two fp32 logit-sized tensors stays
             # alive until the backward (`tools/plan_memory.py` counts them only with a bonus).
             with torch.no_grad():
-                entropy = token_entropy(logits, self.arch.vocab_size)
+                entropy = token_entropy(logits, vocab, t)
         if cfg.kl_loss_coef > 0:
             if mb.ref_logprobs is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_logprobs in the batch")

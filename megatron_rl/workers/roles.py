@@ -75,6 +75,30 @@ class TrainableRole(MegatronRole):
         self.optim = optim or OptimConfig()
         wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, self.optim)
         super().__init__(arch, layout, wrapped, precision)
+        self.offloaded: set[str] = set()
+
+    def offload(self, grads: bool = False, optimizer: bool = False) -> None:
+        """Free memory for the rollout engine until the next update (megatron-core's RL
+        hooks; verl's grad_offload / optimizer_offload): `grads` releases the storage of the
+        DDP gradient buffers (every main_grad view stays valid and is re-allocated zeroed),
+        `optimizer` moves the optimizer's state and master weights to host memory. The next
+        `compute_gradients` brings back whatever is away."""
+        on_gpu = torch.cuda.is_available()
+        if grads and "grads" not in self.offloaded:
+            for chunk in self.chunks:
+                chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=on_gpu)
+            self.offloaded.add("grads")
+        if optimizer and "optimizer" not in self.offloaded:
+            self.optimizer.offload_to_cpu()
+            self.offloaded.add("optimizer")
+
+    def _restore_offloaded(self) -> None:
+        if "grads" in self.offloaded:
+            for chunk in self.chunks:
+                chunk.restore_grad_buffers(synchronize=torch.cuda.is_available())
+        if "optimizer" in self.offloaded:
+            self.optimizer.restore_from_cpu()
+        self.offloaded.clear()
 
     def loss(self, cfg, counts: torch.Tensor, mb: TrainingBatch, output):
         """(loss normalised by the global `counts`, metrics) for one micro-batch."""
@@ -94,6 +118,7 @@ class TrainableRole(MegatronRole):
         whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches."""
         from megatron.core import parallel_state
 
+        self._restore_offloaded()
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()

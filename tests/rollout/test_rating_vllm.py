@@ -181,3 +181,26 @@ def test_ray_worker_that_cannot_build_its_functions_fails_at_start(ray_session):
         RuntimeError, match="reward workers failed to start.*has no attribute 'nope'"
     ):
         make_scoring_pool(reward("nope"), ScoringPoolConfig(num_workers=1))
+
+
+def test_ray_pool_scores_in_process_once_its_workers_are_gone(ray_session, capsys):
+    """`scancel` signals Ray's processes too while the trainer finishes its step to save it:
+    scoring must still complete (in the trainer's process), once the workers are gone."""
+    import ray
+
+    from megatron_rl.rewards.base import RewardInput
+
+    batch = [RewardInput("q", "q", "x" * n) for n in range(1, 9)]
+    expected = make_scoring_pool(reward("length_parity")).submit(batch).scored.rewards
+    pool = make_scoring_pool(reward("length_parity"), ScoringPoolConfig(num_workers=2))
+    try:
+        assert pool.result(pool.submit(batch)).scored.rewards == expected
+        in_flight = pool.submit(batch)
+        for worker in pool.workers:
+            ray.kill(worker)  # as a SIGTERM to the worker processes ends them
+        assert pool.result(in_flight).scored.rewards == expected
+        assert "the Ray reward workers are gone" in capsys.readouterr().out
+        assert pool.result(pool.submit(batch)).scored.rewards == expected  # in-process now
+        assert "workers are gone" not in capsys.readouterr().out  # said once
+    finally:
+        pool.close()

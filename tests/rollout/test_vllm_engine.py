@@ -62,3 +62,42 @@ def test_bad_sampling_and_prompts_are_clear_errors(engine):
         SamplingConfig(n=0)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1, 2], []], SamplingConfig())
+
+
+def test_engine_logprobs_are_of_the_tempered_truncated_distribution(
+    engine, prompts, tiny_model_dir
+):
+    """`Sample.logprobs` are of what was sampled from: softmax(logits / T) over the top-k
+    tokens, renormalised (vLLM's processed log-probs; its default reports raw ones)."""
+    t, k = 0.7, 5
+    samples = engine.generate(
+        prompts[:2], SamplingConfig(n=2, temperature=t, top_k=k, max_new_tokens=12)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for s in samples:
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(s.prompt_token_ids) - 1 : -1].float() / t
+        top = logits.topk(k, dim=-1)
+        truncated = torch.full_like(logits, float("-inf")).scatter(-1, top.indices, top.values)
+        expected = torch.log_softmax(truncated, -1).gather(-1, torch.tensor(s.token_ids)[:, None])
+        assert_close(s.logprobs, expected[:, 0], LOGPROB)
+
+
+def test_an_engine_asleep_refuses_work_until_woken(engine, prompts):
+    from megatron_rl.rollout.vllm_engine import EngineAsleep
+
+    engine.sleep(level=2)
+    try:
+        with pytest.raises(
+            EngineAsleep, match=r"cannot take weights: its \['weights'\] are asleep"
+        ):
+            engine.update_weights(iter(()))
+        engine.wake_up(("weights",))
+        with pytest.raises(EngineAsleep, match=r"cannot generate: its \['kv_cache'\] are asleep"):
+            engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2))
+        with pytest.raises(ValueError, match="wake_up tags must be among"):
+            engine.wake_up(("kv",))
+    finally:
+        engine.wake_up()
+    assert len(engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2))) == 1

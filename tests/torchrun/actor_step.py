@@ -44,6 +44,29 @@ def main():
     ref_logprobs = reference.compute_logprobs(batch)
     actor_logprobs = actor.compute_logprobs(batch)
 
+    def pg_loss_and_grad_norm(b):
+        m = actor.compute_gradients(b, PolicyLossConfig(), 2)
+        actor.optimizer.prepare_grads()
+        norm = float(actor.optimizer.get_grad_norm())
+        actor.optimizer.zero_grad()
+        return m["pg_loss"], norm
+
+    # Rollout-correction weights reach the gradient: all weights 3 -> loss and gradient x 3.
+    tis = [
+        pg_loss_and_grad_norm(batch),
+        pg_loss_and_grad_norm(
+            batch.with_fields(rollout_is_weights=torch.full_like(batch.advantages, 3.0))
+        ),
+    ]
+
+    # grad_offload: the buffers' storage is released; the next backward re-allocates them
+    # (zeroed) and gives the same gradient.
+    actor.offload(grads=True)
+    offloaded_bytes = sum(
+        b.grad_data.untyped_storage().nbytes() for c in actor.chunks for b in c.buffers
+    )
+    after_offload = pg_loss_and_grad_norm(batch)
+
     cfg = PolicyLossConfig(nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.01)
     actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
     critic_metrics = critic.update(batch, ValueLossConfig(), 2)
@@ -58,6 +81,9 @@ def main():
     nan_unchanged = len(unchanged(before_nan, snapshot(actor.chunks, arch)))
 
     summary = {
+        "tis": tis,
+        "offloaded_bytes": offloaded_bytes,
+        "after_offload": after_offload,
         "nan_metrics": nan_metrics,
         "nan_unchanged": nan_unchanged,
         "initial_logprob_gap": (ref_logprobs - actor_logprobs).abs().max().item(),

@@ -31,9 +31,11 @@ def labelled_prompts(tmp_path_factory):
 
 
 def vapo_overrides(model_dir, data_path) -> list[str]:
-    """4 value-pretraining + 4 PPO steps, a checkpoint after each, on prompt-labelled rewards."""
+    """4 value-pretraining + 4 PPO steps, a checkpoint after each, on prompt-labelled rewards,
+    sampled at temperature 0.7 (the trainer's log-probs must be of the tempered policy)."""
     return [
         *SMALL_VAPO,
+        "rollout.temperature=0.7",
         f"model.path={model_dir}",
         f"data.path={data_path}",
         LABEL_REWARD,
@@ -65,7 +67,26 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     records = metrics(vapo_run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(finite(r) for r in records), records
-    assert all(r["logprob_gap_max"] < 1e-4 for r in records)  # engine = actor after each sync
+    # engine = actor after each sync, at T = 0.7: both are softmax(logits / T)
+    assert all(r["logprob_gap_max"] < 1e-4 for r in records)
+    assert all(r["rollout_corr/rollout_is_mean"] == pytest.approx(1, abs=1e-4) for r in records)
+    # vLLM sleeps while Megatron trains, wakes its weights for the sync, then its KV cache.
+    timeline = [
+        json.loads(ln) for ln in (vapo_run / "memory_timeline.jsonl").read_text().splitlines()
+    ]
+    awake = "kv_cache+weights"
+    assert [(r["phase"], r["engine"]) for r in timeline if r["stage"] == "value_pretrain"] == [
+        ("rollout", awake),
+        ("train", "asleep"),
+    ] * 4
+    assert [(r["phase"], r["engine"]) for r in timeline if r["stage"] == "train"] == [
+        ("rollout", awake),
+        ("experience", "asleep"),
+        ("train", "asleep"),
+        ("sync", "weights"),
+    ] * 4
+    assert all(r["peak_gib"] > 0 for r in timeline)
+    assert all(r["memory/train_peak_gib"] > 0 for r in records)
     before, after = checkpoint(vapo_run, 4), checkpoint(vapo_run, 8)
     assert not same_weights(before["actor"], after["actor"])
     assert not same_weights(before["critic"], after["critic"])
@@ -79,50 +100,42 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     assert total == pytest.approx(1.0, abs=0.01)
 
 
-def test_resume_after_step_2_reproduces_steps_3_and_4(
+def measured(record: dict) -> dict:
+    """A metrics row without what a repeat cannot reproduce (times, memory)."""
+    return {
+        k: v
+        for k, v in record.items()
+        if not k.startswith(("timing/", "memory/")) and k != "tokens_per_s"
+    }
+
+
+def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
-    resumed = tmp_path / "resumed"
-    shutil.copytree(vapo_run, resumed)
-    for late in ("step_000007", "step_000008"):
-        shutil.rmtree(resumed / "checkpoints" / late)
-    (resumed / "checkpoints" / "latest").write_text("step_000006")
-    saved = json.loads(
-        (vapo_run / "checkpoints" / "step_000006" / "trainer_state.json").read_text()
-    )
-    assert saved["step"] == 2 and saved["value_pretrain_step"] == 4
-    cfg = yaml.safe_load((vapo_run / "checkpoints" / "step_000006" / "config.yaml").read_text())
-    assert cfg["trainer"]["total_steps"] == 4  # the resolved config travels with the checkpoint
-    train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
-
-    def comparable(r):
-        return {k: v for k, v in r.items() if not k.startswith("timing/") and k != "tokens_per_s"}
-
-    # The rows of steps 3 and 4 the copy holds are dropped and logged again: one per step.
-    expected = [comparable(r) for r in metrics(vapo_run)]
-    got = [comparable(r) for r in metrics(resumed)]
-    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == expected
-    assert len(metrics(resumed, "value_pretrain")) == 4
-    assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
-
-
-def test_a_truncated_rank_file_is_named_and_the_previous_checkpoint_used(
-    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
-):
+    """The newest checkpoint has a truncated shard and the one before it is gone: the run
+    names the file, falls back to step 2's checkpoint, and redoes steps 3 and 4 exactly."""
     resumed = tmp_path / "resumed"
     shutil.copytree(vapo_run, resumed)
     root = resumed / "checkpoints"
+    shutil.rmtree(root / "step_000007")
     shard = root / "step_000008" / "actor" / "model" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # a save cut short by a full disk
+    saved = json.loads((root / "step_000006" / "trainer_state.json").read_text())
+    assert saved["step"] == 2 and saved["value_pretrain_step"] == 4
+    cfg = yaml.safe_load((root / "step_000006" / "config.yaml").read_text())
+    assert cfg["trainer"]["total_steps"] == 4  # the resolved config travels with the checkpoint
     result = train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
     assert "step_000008: actor/model cannot be read" in result.output
-    assert f"resuming from {root / 'step_000007'}" in result.output
+    assert f"resuming from {root / 'step_000006'}" in result.output
     corrupt = root / ".step_000008.corrupt" / "actor" / "model" / "__1_0.distcp"
     assert corrupt.stat().st_size == 1000
-    # Step 4 is redone from step 3's checkpoint and matches the uninterrupted run.
     assert (root / "latest").read_text() == "step_000008"
+    # The rows of steps 3 and 4 the copy holds are dropped and logged again: one per step.
+    expected = [measured(r) for r in metrics(vapo_run)]
+    got = [measured(r) for r in metrics(resumed)]
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == expected
+    assert len(metrics(resumed, "value_pretrain")) == 4
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
-    assert [r["step"] for r in metrics(resumed)] == [1, 2, 3, 4]
 
 
 def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_model_dir, tmp_path):
@@ -134,12 +147,30 @@ def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_mode
     assert (reused / "checkpoints" / "step_000008").is_dir()  # nothing touched
 
 
+# A rollout in bfloat16 against an fp32 trainer: a real mismatch (~1e-3 nats per token) that
+# the diagnostics must see, with token TIS and a token rejection band tight enough to bite.
+BF16_ROLLOUT_CORRECTED = [
+    "rollout.dtype=bfloat16",
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=1.001",
+    "algorithm.rollout_correction.rollout_rs=token",
+    "algorithm.rollout_correction.rollout_rs_threshold=1.002",
+]
+
+
 @pytest.mark.parametrize(
-    "recipe,has_critic",
-    [("ppo", True), ("grpo", False), ("rloo", False), ("reinforce_pp", False)],
+    "recipe,has_critic,extra",
+    [
+        ("ppo", True, ("actor.grad_offload=true", "critic.grad_offload=true")),
+        ("grpo", False, ()),
+        ("rloo", False, BF16_ROLLOUT_CORRECTED),
+        ("reinforce_pp", False, ()),
+    ],
 )
-def test_recipe_runs_two_steps(recipe, has_critic, tiny_model_dir, tmp_path):
-    """Each tiny recipe (GRPO: dynamic filtering, KL in the loss) trains for two steps."""
+def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
+    """Each tiny recipe (GRPO: dynamic filtering, KL in the loss) trains for two steps; PPO
+    with its gradient buffers freed between updates; RLOO with a bf16 rollout corrected by
+    TIS and rejection."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
     recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
@@ -151,9 +182,17 @@ def test_recipe_runs_two_steps(recipe, has_critic, tiny_model_dir, tmp_path):
         "trainer.total_steps=2",
         "trainer.save_interval=1",
         *recompute,
+        *extra,
     )
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2] and all(finite(r) for r in records), records
+    if extra is BF16_ROLLOUT_CORRECTED:
+        for r in records:
+            assert r["logprob_gap_mean"] > 1e-4  # bf16 rollout: the mismatch is seen ...
+            assert 0 < r["rollout_corr/rollout_rs_masked_fraction"] < 1  # ... tokens dropped
+            assert 0 < r["rollout_corr/rollout_is_clipped_fraction"] < 1  # ... weights capped
+            assert r["rollout_corr/rollout_is_eff_sample_size"] < 1
+            assert r["rollout_corr/kl"] != 0
     first, last = checkpoint(out, 1), checkpoint(out, 2)
     assert not same_weights(first["actor"], last["actor"])
     if has_critic:

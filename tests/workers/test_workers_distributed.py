@@ -113,6 +113,11 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert s["reference_changed"] == [] and not s["reference_has_grads"]
     assert s["reference_logprob_drift"] == 0.0 and s["actor_logprob_change"] > 1e-3
     assert s["actor_metrics"]["update_ok"] and s["critic_metrics"]["update_ok"]
+    (loss, norm), (weighted_loss, weighted_norm) = s["tis"]
+    assert abs(loss) > 1e-4 and norm > 1e-4
+    assert weighted_loss == pytest.approx(3 * loss, rel=1e-5)  # TIS weights scale the pg term
+    assert weighted_norm == pytest.approx(3 * norm, rel=1e-4)  # ... and its gradient
+    assert s["offloaded_bytes"] == 0 and s["after_offload"] == (loss, norm)  # grad_offload
     assert s["actor_metrics"]["skipped_nonfinite"] == 0.0
     # NaN advantages: the update is skipped and counted, every weight stays as it was.
     assert s["nan_metrics"]["skipped_nonfinite"] == 1.0 and not s["nan_metrics"]["update_ok"]
