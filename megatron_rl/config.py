@@ -1,6 +1,6 @@
 """The run's configuration: typed dataclasses, read from YAML, overridden by `key=value`.
 
-    torchrun ... -m megatron_rl.train --config examples/tiny/vapo.yaml trainer.total_steps=3 \\
+    torchrun ... -m megatron_rl.cli.train --config examples/tiny/vapo.yaml trainer.total_steps=3 \\
         actor.optim.lr=1e-5 data.path=/data/math.jsonl
 
 Every key is checked against the dataclasses: an unknown key is an error that names it and

@@ -1,7 +1,7 @@
 """Launch training under torchrun: a pre-emption-safe front for clusters, and a runner with a
 hard time limit for the tests and the demo.
 
-    python -m megatron_rl.launch [torchrun options] -m megatron_rl.train --config C [k=v ...]
+    python -m megatron_rl.launch [torchrun options] -m megatron_rl.cli.train --config C [k=v ...]
 
 runs torchrun with the same arguments, but a SIGTERM or SIGUSR1 sent to this launcher (a
 container runtime's stop, SLURM's `--signal=B:...`, `kill`) goes to the training workers

@@ -178,7 +178,7 @@ def test_entry_point_fails_on_config_errors_before_building_anything(tiny_model_
             [
                 sys.executable,
                 "-m",
-                "megatron_rl.train",
+                "megatron_rl.cli.train",
                 "--config",
                 "examples/tiny/vapo.yaml",
                 *args,

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
             f"trainer.total_steps={a.steps}", "critic.pretrain_steps=0",
             "trainer.eval_data_path=null", "trainer.tensorboard=false",
         ]  # fmt: skip
-        run_torchrun("megatron_rl.train", args, nproc=2, timeout=1800)
+        run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=1800)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if r["stage"] == "train"]
     finally:

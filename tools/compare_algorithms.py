@@ -4,7 +4,7 @@
         [--ablations] [--seeds 0,1,2] [--ablation-seeds SEEDS] [--dir runs/compare]
         [--out docs/compare_algorithms]
 
-Every variant starts from the demo's warm start (`megatron_rl.sft`, 80 steps) and gets the
+Every variant starts from the demo's warm start (`megatron_rl.cli.sft`, 80 steps) and gets the
 demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one PPO epoch in
 mini-batches of 64, TP=2, math reward +1/-1, held-out greedy accuracy every 5 steps); what
 makes each algorithm itself comes from its recipe plus the overrides in VARIANTS. With
@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_rl.demo import ensure_tiny_model, read_curves, run_rl, warm_start
+from megatron_rl.cli.demo import ensure_tiny_model, read_curves, run_rl, warm_start
 
 TARGET = 0.6
 """Held-out accuracy for the "steps to reach" column."""

@@ -107,7 +107,7 @@ def parts(work: Path) -> list[Part]:
                 "megatron_rl.launch",
                 "--nproc-per-node=1",
                 "-m",
-                "megatron_rl.train",
+                "megatron_rl.cli.train",
                 "--config",
                 "examples/tiny/grpo.yaml",
                 f"model.path={tiny}",

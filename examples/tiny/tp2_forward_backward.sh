@@ -5,4 +5,4 @@
 set -euo pipefail
 MODEL=${MODEL:-runs/tiny-qwen2}
 [ -f "$MODEL/config.json" ] || python -m megatron_rl.models.tiny --out "$MODEL"
-torchrun --nproc-per-node 2 -m megatron_rl.demo_tp_step --hf-dir "$MODEL" --tp 2
+torchrun --nproc-per-node 2 -m megatron_rl.cli.demo_tp_step --hf-dir "$MODEL" --tp 2

@@ -1,5 +1,5 @@
 """`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, and
-offers the steps `megatron_rl.train` strings together.
+offers the steps `megatron_rl.cli.train` strings together.
 
 Ranks: one model replica per data-parallel rank, its TP x PP ranks sharing one vLLM engine
 (vLLM's external launcher, TP = TP x PP by default). Each DP rank draws its own slice of every

@@ -41,7 +41,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.train",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.cli.train",
         "--config", "examples/tiny/grpo.yaml", f"model.path={tiny_model_dir}",
         JUDGE % (tmp_path / "calls.txt"), "rollout.rating.max_num_gen_chunks=1",
         "rollout.rating.max_failure_ratio=0.6", f"trainer.output_dir={out}",

@@ -1,4 +1,4 @@
-"""Running `megatron_rl.train` under torchrun in tests, and reading what a run left."""
+"""Running `megatron_rl.cli.train` under torchrun in tests, and reading what a run left."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ SMALL_VAPO = [
 
 def train(recipe: str, out: Path, *overrides: str, timeout: float = 400):
     args = ["--config", f"examples/tiny/{recipe}.yaml", f"trainer.output_dir={out}", *overrides]
-    return run_torchrun("megatron_rl.train", args, nproc=2, timeout=timeout)
+    return run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=timeout)
 
 
 def train_until_sigterm(recipe: str, out: Path, *overrides: str, after_steps: int) -> str:
@@ -42,7 +42,7 @@ def train_until_sigterm(recipe: str, out: Path, *overrides: str, after_steps: in
     CANCELLED whatever the code.)"""
     cmd = [
         sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.train",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "megatron_rl.cli.train",
         "--config", f"examples/tiny/{recipe}.yaml", f"trainer.output_dir={out}", *overrides,
     ]  # fmt: skip
     proc = subprocess.Popen(

@@ -1,10 +1,10 @@
 """The journey of a user's model through the system, each command run as a user runs it:
 
 HF model --hf_to_megatron (TP2)--> Megatron checkpoint
-  --megatron_rl.train at TP2, started from that checkpoint (no HF weights read)-->
+  --megatron_rl.cli.train at TP2, started from that checkpoint (no HF weights read)-->
   value pretraining, PPO steps, the actor in HF format after each step; SIGTERM to every
   process (SLURM's scancel) -> a complete checkpoint, exit 0
-  --megatron_rl.train at TP1 DP2--> resumes (weights, Adam moments, step, data position)
+  --megatron_rl.cli.train at TP1 DP2--> resumes (weights, Adam moments, step, data position)
   and finishes
   --megatron_to_hf --role actor|critic--> Hugging Face models
   -> transformers loads both; vLLM serves the actor greedily as transformers computes it.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.demo import read_curves, run_rl, warm_start
+from megatron_rl.cli.demo import read_curves, run_rl, warm_start
 
 pytestmark = pytest.mark.distributed
 

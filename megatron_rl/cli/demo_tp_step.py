@@ -1,6 +1,6 @@
 """torchrun worker of the smoke demo: one Megatron forward/backward of the tiny model.
 
-    torchrun --nproc-per-node 2 -m megatron_rl.demo_tp_step --hf-dir DIR [--tp 2 --pp 1]
+    torchrun --nproc-per-node 2 -m megatron_rl.cli.demo_tp_step --hf-dir DIR [--tp 2 --pp 1]
 
 Loads the HF checkpoint into a Megatron GPTModel under the given layout, computes the
 next-token cross-entropy of a fixed batch (logits gathered over TP and cut to the real

@@ -1,6 +1,6 @@
 """Supervised warm start: teach the policy the answer format before RL (the tiny demo).
 
-    python -m megatron_rl.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
+    python -m megatron_rl.cli.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
         --lr 1e-3 --batch-size 16 --response-template 'The answer is \\boxed{{{answer}}}.']
 
 Gold responses are the template filled with each row's label, closed by the tokenizer's EOS.

@@ -2,7 +2,7 @@
 
 import json
 
-from megatron_rl.demo import gain_table, plot_curves, read_curves
+from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
 
 
 def write_metrics(path, accuracies: dict[int, float]) -> None:

@@ -1,15 +1,15 @@
 """Value pretraining alone (VC-PPO, VAPO): the critic learns the frozen policy's lambda=1
 Monte-Carlo returns for `critic.pretrain_steps` steps (or until explained variance reaches
 `critic.pretrain_ev_threshold`), then the critic is saved as a checkpoint in
-`trainer.output_dir`, from which `megatron_rl.train` with the same output_dir continues.
+`trainer.output_dir`, from which `megatron_rl.cli.train` with the same output_dir continues.
 
-    torchrun --nproc-per-node 2 -m megatron_rl.value_pretrain --config examples/tiny/vapo.yaml
+    torchrun --nproc-per-node 2 -m megatron_rl.cli.value_pretrain --config examples/tiny/vapo.yaml
 """
 
 from __future__ import annotations
 
+from megatron_rl.cli.train import parse_args, value_pretrain
 from megatron_rl.config import ConfigError
-from megatron_rl.train import parse_args, value_pretrain
 
 
 def main(argv=None) -> None:

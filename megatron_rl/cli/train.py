@@ -1,6 +1,6 @@
 """Train a policy with PPO/VAPO, GRPO, RLOO or REINFORCE++ on Megatron-core with vLLM rollouts.
 
-    torchrun --nproc-per-node 2 -m megatron_rl.train --config examples/tiny/vapo.yaml \\
+    torchrun --nproc-per-node 2 -m megatron_rl.cli.train --config examples/tiny/vapo.yaml \\
         [key=value ...]
 
 Reads like the algorithm (VAPO, arXiv 2504.05118):

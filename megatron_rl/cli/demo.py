@@ -1,7 +1,7 @@
 """`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 5 minutes).
 
 1. build the tiny random Qwen2 checkpoint (HF format) if it is not there yet;
-2. supervised warm start on single-digit sums (`megatron_rl.sft`, 80 steps): the model
+2. supervised warm start on single-digit sums (`megatron_rl.cli.sft`, 80 steps): the model
    learns the answer format and about a fifth of the answers. Short on purpose: longer
    supervised training is chaotic (the accuracy it ends at differs between CPUs' kernels by
    up to 0.5), 80 steps end at 0.20-0.22 on every kernel set measured;
@@ -47,7 +47,7 @@ def megatron_step(model_dir: Path) -> dict:
     from megatron_rl.launch import run_torchrun
 
     result = run_torchrun(
-        "megatron_rl.demo_tp_step", ["--hf-dir", str(model_dir), "--tp", "2"], timeout=600
+        "megatron_rl.cli.demo_tp_step", ["--hf-dir", str(model_dir), "--tp", "2"], timeout=600
     )
     lines = [ln for ln in result.output.splitlines() if ln.startswith('{"layout"')]
     if len(lines) != 1:
@@ -59,7 +59,7 @@ def hf_reference_loss(model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.demo_tp_step import demo_batch, next_token_loss
+    from megatron_rl.cli.demo_tp_step import demo_batch, next_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = demo_batch(model.config.vocab_size)
@@ -125,7 +125,7 @@ def smoke(model_dir: Path, n: int) -> None:
 def warm_start(model_dir: Path, out: Path, steps: int, threads: int) -> None:
     subprocess.run(
         [
-            sys.executable, "-m", "megatron_rl.sft", "--model", str(model_dir),
+            sys.executable, "-m", "megatron_rl.cli.sft", "--model", str(model_dir),
             "--data", "examples/tiny/data/arithmetic_train.jsonl", "--out", str(out),
             "--steps", str(steps), "--lr", "2e-3", "--batch-size", "32",
             "--threads", str(threads),
@@ -149,7 +149,7 @@ def run_rl(
         f"trainer.seed={seed}",
         *overrides,
     ]
-    run_torchrun("megatron_rl.train", args, nproc=2, timeout=1200, echo=echo)
+    run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=1200, echo=echo)
 
 
 def read_curves(metrics_file: Path) -> dict:
