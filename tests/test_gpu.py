@@ -36,6 +36,16 @@ def tokens(arch, b=2, s=64):
     ).cuda()
 
 
+def cuda_global_batch(arch):
+    """The workers tests' global batch (tests/torchrun/actor_critic.py), on the GPU."""
+    from tests.torchrun.actor_critic import global_batch
+
+    batch = global_batch(arch.vocab_size)
+    return batch.with_fields(
+        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
+    )
+
+
 def forward(chunks, ids):
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.no_grad():
@@ -51,12 +61,7 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(arch, platform.ParallelLayout(), tiny_model_dir, precision=bf16)
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
-    from tests.torchrun.actor_critic import global_batch
-
-    batch = global_batch(arch.vocab_size)
-    batch = batch.with_fields(
-        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    )
+    batch = cuda_global_batch(arch)
     metrics = actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
     assert metrics["update_ok"] and torch.isfinite(torch.tensor(metrics["grad_norm"]))
 
@@ -86,12 +91,7 @@ def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
     platform.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
     actor = Actor(arch, layout, tiny_model_dir, precision=fp8)
-    from tests.torchrun.actor_critic import global_batch
-
-    batch = global_batch(arch.vocab_size)  # S=23: padded to 16-multiples by the actor
-    batch = batch.with_fields(
-        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    )
+    batch = cuda_global_batch(arch)  # S=23: padded to 16-multiples by the actor
     metrics = actor.update(batch, PolicyLossConfig(), num_microbatches=2)
     assert metrics["update_ok"]
 
@@ -102,17 +102,13 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     Step, save, step again; a fresh actor loaded from the save takes the same second step."""
     from megatron_rl.models.dist_checkpoint import load_role, save_role
     from megatron_rl.workers.optimizer import OptimConfig
-    from tests.torchrun.actor_critic import global_batch
 
     arch = ModelArchitecture.from_hf_config(tiny_model_dir)
     layout = platform.ParallelLayout()
     platform.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=True)
-    batch = global_batch(arch.vocab_size)
-    batch = batch.with_fields(
-        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    )
+    batch = cuda_global_batch(arch)
     loss = PolicyLossConfig(nll_coef=0.1)
 
     first = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
@@ -134,17 +130,13 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     """grad_offload / optimizer_offload free device memory between updates: the device
     memory drops, and two steps with offloading in between equal two steps without."""
     from megatron_rl.workers.optimizer import OptimConfig
-    from tests.torchrun.actor_critic import global_batch
 
     arch = ModelArchitecture.from_hf_config(tiny_model_dir)
     layout = platform.ParallelLayout()
     platform.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed)
-    batch = global_batch(arch.vocab_size)
-    batch = batch.with_fields(
-        **{k: v.cuda() for k, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    )
+    batch = cuda_global_batch(arch)
     loss = PolicyLossConfig()
     plain = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
     offloaded = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)

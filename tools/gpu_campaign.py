@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+TE, VLLM = ("transformer_engine",), ("vllm",)
+
 
 @dataclass(frozen=True)
 class Part:
@@ -45,81 +47,32 @@ class Part:
 
 
 def parts(work: Path) -> list[Part]:
-    tiny = str(work / "tiny")
+    tiny, results = str(work / "tiny"), ("--out", str(work / "bench.jsonl"))
+    shape = ("--preset", "qwen2.5-0.5b")
+    train_step = ("tools.bench", "train_step", "--dtype", "bf16", *shape, "--seq-length", "2048")
     return [
-        Part(
-            "gpu_tests",
-            ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider"),
-        ),
-        Part(
-            "train_step_bf16",
-            (
-                "tools.bench",
-                "train_step",
-                "--dtype",
-                "bf16",
-                "--preset",
-                "qwen2.5-0.5b",
-                "--seq-length",
-                "2048",
-                "--out",
-                str(work / "bench.jsonl"),
-            ),
-        ),  # fmt: skip
-        Part(
-            "train_step_fp8",
-            (
-                "tools.bench",
-                "train_step",
-                "--dtype",
-                "bf16",
-                "--fp8",
-                "hybrid",
-                "--preset",
-                "qwen2.5-0.5b",
-                "--seq-length",
-                "2048",
-                "--out",
-                str(work / "bench.jsonl"),
-            ),
-            needs=("transformer_engine",),
-        ),  # fmt: skip
-        Part(
-            "weight_sync",
-            (
-                "tools.bench",
-                "weight_sync",
-                "--preset",
-                "qwen2.5-0.5b",
-                "--out",
-                str(work / "bench.jsonl"),
-            ),
-            needs=("vllm",),
-        ),  # fmt: skip
+        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py")),
+        Part("train_step_bf16", (*train_step, *results)),
+        Part("train_step_fp8", (*train_step, "--fp8", "hybrid", *results), needs=TE),
+        Part("weight_sync", ("tools.bench", "weight_sync", *shape, *results), needs=VLLM),
         Part(
             "logprob_gap_bf16",
             ("tools.logprob_diff", "--hf-dir", tiny, "--vllm-dtype", "bfloat16", "--prompts", "8"),
-            needs=("vllm",),
+            needs=VLLM,
         ),
         Part(
             "sleep_wake",
             (
-                "megatron_rl.launch",
-                "--nproc-per-node=1",
-                "-m",
-                "megatron_rl.cli.train",
-                "--config",
-                "examples/tiny/grpo.yaml",
-                f"model.path={tiny}",
-                f"trainer.output_dir={work / 'run'}",
-                "trainer.total_steps=2",
-                "model.precision.params_dtype=bfloat16",
-                "rollout.dtype=bfloat16",
+                "megatron_rl.launch", "--nproc-per-node=1", "-m", "megatron_rl.cli.train",
+                "--config", "examples/tiny/grpo.yaml", f"model.path={tiny}",
+                f"trainer.output_dir={work / 'run'}", "trainer.total_steps=2",
+                "parallel.tensor_model_parallel_size=1", "model.precision.params_dtype=bfloat16",
+                "actor.grad_offload=true",
             ),
-            needs=("vllm",),
+            needs=VLLM,
             artifacts=("run/memory_timeline.jsonl",),
-        ),  # fmt: skip
-    ]
+        ),
+    ]  # fmt: skip
 
 
 def environment() -> dict:
