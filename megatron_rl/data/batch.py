@@ -75,10 +75,11 @@ class TrainingBatch:
     def with_fields(self, **updates) -> TrainingBatch:
         return replace(self, **updates)
 
-    def padded_to_multiple(self, multiple: int, pad_token_id: int = 0) -> TrainingBatch:
-        """Right-pad S to a multiple (sequence parallelism, FP8); padding is never a response
-        token, so losses are unchanged. Slice outputs back with [:, :seq_length]."""
-        extra = -self.seq_length % multiple
+    def with_length(self, length: int, pad_token_id: int = 0) -> TrainingBatch:
+        """Columns cut or right-padded to `length`. Padding is never a response token, and
+        a causal model's outputs before a position do not depend on what follows it, so
+        cutting right padding changes no loss term."""
+        extra = length - self.seq_length
         if extra == 0:
             return self
         updates = {}
@@ -87,8 +88,23 @@ class TrainingBatch:
             if value is None or f.name == "scores":
                 continue
             fill = pad_token_id if f.name == "input_ids" else 0
-            updates[f.name] = torch.nn.functional.pad(value, (0, extra), value=fill)
+            updates[f.name] = (
+                value[:, :length]
+                if extra < 0
+                else torch.nn.functional.pad(value, (0, extra), value=fill)
+            )
         return replace(self, **updates)
+
+    def padded_to_multiple(self, multiple: int, pad_token_id: int = 0) -> TrainingBatch:
+        """Right-pad S to a multiple (sequence parallelism, FP8); padding is never a response
+        token, so losses are unchanged. Slice outputs back with [:, :seq_length]."""
+        return self.with_length(round_up(self.seq_length, multiple), pad_token_id)
+
+    def sequence_lengths(self) -> torch.Tensor:
+        """[B] tokens up to and including each row's last response token: what the model must
+        see for every loss term (1 for a row without response tokens)."""
+        positions = torch.arange(1, self.seq_length + 1, device=self.response_mask.device)
+        return (self.response_mask.bool() * positions).amax(dim=1).clamp(min=1)
 
     def split(self, num_microbatches: int) -> list[TrainingBatch]:
         """Equal-size micro-batches (pipeline p2p needs one shape for all of them)."""
@@ -98,6 +114,67 @@ class TrainingBatch:
             )
         size = len(self) // num_microbatches
         return [self.rows(slice(i * size, (i + 1) * size)) for i in range(num_microbatches)]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def token_budget_partition(
+    lengths: list[int], max_tokens: int, multiple: int = 1
+) -> list[list[int]]:
+    """Rows -> micro-batches of at most `max_tokens` padded tokens each (verl's
+    `use_dynamic_bsz` / `ppo_max_token_len_per_gpu`, NeMo-RL's dynamic batching).
+
+    A micro-batch is padded to its own longest row, rounded up to `multiple` (sequence
+    parallelism, FP8), so its cost is rows x that length. Rows are taken longest first and
+    each micro-batch is filled while the cost stays within the budget: rows of similar
+    length share a micro-batch, which keeps padding small, and the long tail of a reasoning
+    model's lengths costs its own tokens instead of setting every micro-batch's length.
+    Returns row indices per micro-batch, longest micro-batch first.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    parts: list[list[int]] = []
+    for i in order:
+        if parts and (len(parts[-1]) + 1) * round_up(lengths[parts[-1][0]], multiple) <= max_tokens:
+            parts[-1].append(i)
+            continue
+        if round_up(lengths[i], multiple) > max_tokens:
+            raise ValueError(
+                f"a sequence of {lengths[i]} tokens (padded to {round_up(lengths[i], multiple)}) "
+                f"does not fit the micro-batch token budget {max_tokens}: raise "
+                "ppo_max_token_len_per_gpu to at least max_prompt_length + max_new_tokens"
+            )
+        parts.append([i])
+    return parts
+
+
+def split_micro_batches(
+    batch: TrainingBatch,
+    num_microbatches: int = 1,
+    max_tokens: int | None = None,
+    multiple: int = 1,
+) -> tuple[list[TrainingBatch], torch.Tensor | None]:
+    """(micro-batches, row order). Without `max_tokens`: `num_microbatches` equal slices
+    padded to one length, a multiple of `multiple`; order None (the rows stay in place).
+    With it: `token_budget_partition`, each micro-batch cut to its own padded length; order
+    [B] is the batch row of each row of the concatenated micro-batches."""
+    if max_tokens is None:
+        return batch.padded_to_multiple(multiple).split(num_microbatches), None
+    if num_microbatches != 1:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} and max_tokens={max_tokens}: give one, the "
+            "token budget decides the number of micro-batches"
+        )
+    lengths = batch.sequence_lengths().tolist()
+    parts = token_budget_partition(lengths, max_tokens, multiple)
+    micro = [
+        batch.rows(torch.tensor(rows)).with_length(round_up(lengths[rows[0]], multiple))
+        for rows in parts
+    ]
+    return micro, torch.tensor([i for rows in parts for i in rows])
 
 
 def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:

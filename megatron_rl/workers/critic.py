@@ -42,9 +42,13 @@ class Critic(TrainableRole):
             ModelSource(model_path).load_critic(chunks, arch)
         super().__init__(arch, layout, chunks, precision, optim or OptimConfig(lr=2e-6))
 
-    def compute_values(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:
+    def compute_values(
+        self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None
+    ) -> torch.Tensor:
         """V [B, S] (aligned to tokens) on every PP rank."""
-        return self.forward_collect(batch, num_microbatches, lambda mb, out: token_values(out))
+        return self.forward_collect(
+            batch, num_microbatches, lambda mb, out: token_values(out), max_tokens
+        )
 
     def loss(self, cfg: ValueLossConfig, counts, mb: TrainingBatch, head_output):
         tokens, seqs, _ = counts

@@ -59,13 +59,16 @@ class _LogProbs:
     trainer's policy is the full tempered distribution, as in the anchors; the gap to what
     the engine sampled from is what `algorithm.rollout_correction` corrects."""
 
-    def compute_logprobs(self, batch: TrainingBatch, num_microbatches: int = 1) -> torch.Tensor:
+    def compute_logprobs(
+        self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None
+    ) -> torch.Tensor:
         """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank."""
         vocab, t = self.arch.vocab_size, self.temperature
         return self.forward_collect(
             batch,
             num_microbatches,
             lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab, t),
+            max_tokens,
         )
 
 

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.data.batch import TrainingBatch, split_micro_batches
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
 from megatron_rl.parallel.collectives import data_parallel_sum, global_token_counts
@@ -44,21 +44,28 @@ class MegatronRole:
 
     @torch.no_grad()
     def forward_collect(
-        self, batch: TrainingBatch, num_microbatches: int, collect: Callable
+        self,
+        batch: TrainingBatch,
+        num_microbatches: int,
+        collect: Callable,
+        max_tokens: int | None = None,
     ) -> torch.Tensor:
-        """`collect(mb, output) -> [b, S']` on each micro-batch; [B, S] on every PP rank."""
+        """`collect(mb, output) -> [b, s]` on each micro-batch; [B, S] on every PP rank, in the
+        batch's row order. With a token budget (`max_tokens`, see `split_micro_batches`) the
+        entries past a row's last response token are 0: its micro-batch held padding there, or
+        stopped before."""
         for chunk in self.chunks:
             chunk.eval()
-        padded = batch.padded_to_multiple(self.seq_multiple)
-        parts = run_schedule(
-            self.chunks,
-            padded.split(num_microbatches),
-            collect,
-            forward_only=True,
-            collect_outputs=True,
-        )
-        out = broadcast_from_last_stage(parts, padded.input_ids.shape, torch.float32)
-        return out[:, : batch.seq_length]
+        micro, order = split_micro_batches(batch, num_microbatches, max_tokens, self.seq_multiple)
+        parts = run_schedule(self.chunks, micro, collect, forward_only=True, collect_outputs=True)
+        out = broadcast_from_last_stage(parts, batch.input_ids.shape, torch.float32)
+        if order is None:
+            return out
+        in_batch_order = torch.empty_like(out)
+        in_batch_order[order] = out
+        # Past a row's length its micro-batch held padding (or stopped): 0, whatever the split.
+        seen = torch.arange(batch.seq_length) < batch.sequence_lengths()[:, None]
+        return torch.where(seen, in_batch_order, 0.0)
 
 
 class TrainableRole(MegatronRole):
@@ -110,12 +117,18 @@ class TrainableRole(MegatronRole):
         return loss * scale, {k: v.detach().clone() for k, v in metrics.items()}
 
     def compute_gradients(
-        self, batch: TrainingBatch, cfg, num_microbatches: int = 1
+        self,
+        batch: TrainingBatch,
+        cfg,
+        num_microbatches: int = 1,
+        max_tokens: int | None = None,
     ) -> dict[str, float]:
         """Zero, then accumulate this DP rank's share of the global-batch gradient into DDP's
         main_grad (reduced over DP, and over TP for sequence-parallel norms). Returns the
         metrics on the last pipeline stage ({} elsewhere): the BATCH_SHARES of the
-        whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches."""
+        whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches.
+        `max_tokens`: micro-batches by token budget instead of `num_microbatches` equal ones
+        (`split_micro_batches`); the counts are the batch's, so the gradient is the same."""
         from megatron.core import parallel_state
 
         self._restore_offloaded()
@@ -124,12 +137,12 @@ class TrainableRole(MegatronRole):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         counts = global_token_counts(batch.response_mask, batch.scores)
-        scale = num_microbatches * parallel_state.get_data_parallel_world_size()
+        micro, _ = split_micro_batches(batch, num_microbatches, max_tokens, self.seq_multiple)
+        # Megatron averages over this rank's micro-batches and DDP over DP ranks; the
+        # scale undoes both, whatever number of micro-batches each rank runs.
+        scale = len(micro) * parallel_state.get_data_parallel_world_size()
         metrics = run_schedule(
-            self.chunks,
-            batch.padded_to_multiple(self.seq_multiple).split(num_microbatches),
-            partial(self._scaled_loss, cfg, counts, scale),
-            forward_only=False,
+            self.chunks, micro, partial(self._scaled_loss, cfg, counts, scale), forward_only=False
         )
         if not metrics:
             return {}
@@ -140,9 +153,15 @@ class TrainableRole(MegatronRole):
             out.update(zip(shares, totals, strict=True))
         return {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
 
-    def update(self, batch: TrainingBatch, cfg, num_microbatches: int = 1) -> dict[str, float]:
+    def update(
+        self,
+        batch: TrainingBatch,
+        cfg,
+        num_microbatches: int = 1,
+        max_tokens: int | None = None,
+    ) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
-        metrics = self.compute_gradients(batch, cfg, num_microbatches)
+        metrics = self.compute_gradients(batch, cfg, num_microbatches, max_tokens)
         # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
         # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
         self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad, what the norm reads

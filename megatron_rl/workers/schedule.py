@@ -4,7 +4,9 @@ Dataflow of one `run_schedule` call: the caller's micro-batches are fed to megat
 `get_forward_backward_func` (no pipelining, 1F1B, or interleaved 1F1B); every PP stage reads
 the same micro-batch iterator; only the last stage produces outputs and calls `loss_fn`;
 outputs of a forward-only pass are broadcast from the last stage so every rank of the PP
-group returns the same tensor.
+group returns the same tensor. Micro-batches may differ in shape (token-budget micro-batches):
+the stages then exchange each activation's shape before it (megatron-core's
+`variable_seq_lengths`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def run_schedule(
     `output` is the last stage's model output: logits [b, s, V/tp] or values [b, s, 1].
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     def forward_step(data_iterator: Iterator[TrainingBatch], model):
         mb = next(data_iterator)
@@ -42,6 +45,9 @@ def run_schedule(
 
         return output, loss_func
 
+    # Every stage of a PP group splits the same batch the same way, so they agree on this.
+    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    get_model_config(chunks[0]).variable_seq_lengths = len(shapes) > 1
     iterators = [iter(micro_batches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -56,11 +62,20 @@ def run_schedule(
 
 
 def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.Tensor:
-    """Concatenate the last stage's per-micro-batch outputs and share them over the PP group."""
+    """Concatenate the last stage's per-micro-batch outputs [b_i, s_i], each cut or
+    zero-padded to shape[1] columns, and share the [B, S] result over the PP group."""
     from megatron.core import parallel_state
 
     if parallel_state.is_pipeline_last_stage():
-        out = torch.cat(parts).to(dtype)
+        width = shape[1]
+        out = torch.cat(
+            [
+                p[:, :width]
+                if p.shape[1] >= width
+                else torch.nn.functional.pad(p, (0, width - p.shape[1]))
+                for p in parts
+            ]
+        ).to(dtype)
     else:
         out = torch.empty(shape, dtype=dtype)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:

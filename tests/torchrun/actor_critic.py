@@ -19,14 +19,23 @@ from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.policy import Actor
 
-# name -> (layout, micro-batches per DP rank)
+SP = platform.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
+PP = platform.ParallelLayout(pipeline_model_parallel_size=2)
+TOKEN_BUDGET = 40
+"""Padded tokens per micro-batch in the "-tok" layouts: 1 to 3 of the batch's rows (4 to 23
+tokens long) each, every micro-batch cut to its own length."""
+# name -> (layout, split per DP rank: a number of equal micro-batches, or a token budget)
 LAYOUTS = {
-    "dp1-mb1": (platform.ParallelLayout(), 1),
-    "dp1-mb4": (platform.ParallelLayout(), 4),
-    "dp2-mb2": (platform.ParallelLayout(), 2),
-    "tp2": (platform.ParallelLayout(tensor_model_parallel_size=2), 2),
-    "tp2-sp": (platform.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True), 2),
-    "pp2": (platform.ParallelLayout(pipeline_model_parallel_size=2), 4),
+    "dp1-mb1": (platform.ParallelLayout(), {"num_microbatches": 1}),
+    "dp1-mb4": (platform.ParallelLayout(), {"num_microbatches": 4}),
+    "dp2-mb2": (platform.ParallelLayout(), {"num_microbatches": 2}),
+    "tp2": (platform.ParallelLayout(tensor_model_parallel_size=2), {"num_microbatches": 2}),
+    "tp2-sp": (SP, {"num_microbatches": 2}),
+    "pp2": (PP, {"num_microbatches": 4}),
+    "dp1-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    "dp2-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    "tp2-sp-tok": (SP, {"max_tokens": TOKEN_BUDGET}),
+    "pp2-tok": (PP, {"max_tokens": TOKEN_BUDGET}),
 }
 LOSSES = {
     "token-mean+nll": PolicyLossConfig(loss_agg_mode="token-mean", nll_coef=0.1),
@@ -60,7 +69,7 @@ def global_batch(vocab_size: int, batch: int = 8, seq: int = 23, seed: int = 3) 
 def run_layout(name, arch, hf_dir, batch, out_dir):
     from megatron.core import parallel_state
 
-    layout, microbatches = LAYOUTS[name]
+    layout, split = LAYOUTS[name]
     ctx = platform.initialize(layout, arch=arch)
     rows_per_rank = len(batch) // ctx.dp_size
     rows = slice(ctx.dp_rank * rows_per_rank, (ctx.dp_rank + 1) * rows_per_rank)
@@ -69,13 +78,13 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
 
     actor = Actor(arch, layout, hf_dir)
     for loss_name, cfg in LOSSES.items():
-        result["metrics"][loss_name] = actor.compute_gradients(local, cfg, microbatches)
+        result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
-    result["logprobs"] = actor.compute_logprobs(local, microbatches)
+    result["logprobs"] = actor.compute_logprobs(local, **split)
 
     critic = Critic(arch, layout, hf_dir)
-    result["values"] = critic.compute_values(local, microbatches)
-    result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), microbatches)
+    result["values"] = critic.compute_values(local, **split)
+    result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))
 
     torch.save(result, Path(out_dir) / f"{name}.rank{ctx.rank}.pt")

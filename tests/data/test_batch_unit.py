@@ -1,0 +1,91 @@
+"""Micro-batches by token budget (`use_dynamic_bsz`): every row once, no micro-batch over
+the budget, each cut to its own length, and the rows found again in their order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rl.data.batch import (
+    TrainingBatch,
+    round_up,
+    split_micro_batches,
+    token_budget_partition,
+)
+
+
+def batch_of(prompt_and_response: list[tuple[int, int]], seq: int) -> TrainingBatch:
+    ids = torch.arange(len(prompt_and_response) * seq).reshape(-1, seq) % 97 + 3
+    mask = torch.zeros(len(prompt_and_response), seq)
+    for i, (p, r) in enumerate(prompt_and_response):
+        mask[i, p : p + r] = 1
+    return TrainingBatch(
+        input_ids=ids,
+        response_mask=mask,
+        advantages=torch.randn(ids.shape),
+        scores=torch.ones(len(ids)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    multiple=st.sampled_from([1, 2, 8]),
+    slack=st.integers(0, 600),
+)
+def test_every_row_once_and_no_micro_batch_over_the_budget(lengths, multiple, slack):
+    budget = round_up(max(lengths), multiple) + slack
+    parts = token_budget_partition(lengths, budget, multiple)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    for p in parts:
+        longest = max(lengths[i] for i in p)
+        assert lengths[p[0]] == longest  # the first row sets the padded length
+        assert len(p) * round_up(longest, multiple) <= budget
+    # Greedy over rows sorted by length: a micro-batch closes only when the next row would
+    # not fit, so two consecutive micro-batches could not have been one.
+    for a in parts[:-1]:
+        assert (len(a) + 1) * round_up(lengths[a[0]], multiple) > budget
+
+
+def test_long_tail_costs_its_own_tokens_not_every_micro_batchs():
+    lengths = [2048] + [256] * 31
+    parts = token_budget_partition(lengths, 4096, multiple=1)
+    # The fewest micro-batches: [2048, 256] (one row padded), then 16 + 14 rows of 256.
+    assert [len(p) for p in parts] == [2, 16, 14]
+    padded = sum(len(p) * max(lengths[i] for i in p) for p in parts)
+    assert padded == 11776 and padded * 5 < len(lengths) * max(lengths)  # all at 2048: 65536
+
+
+def test_a_row_longer_than_the_budget_is_refused_with_the_option_named():
+    with pytest.raises(
+        ValueError, match=r"300 tokens \(padded to 304\).*ppo_max_token_len_per_gpu"
+    ):
+        token_budget_partition([10, 300], 256, multiple=8)
+
+
+def test_split_cuts_each_micro_batch_to_its_length_and_keeps_every_value():
+    rows = [(3, 2), (4, 15), (2, 1), (5, 9), (3, 4)]  # lengths 5, 19, 3, 14, 7
+    batch = batch_of(rows, seq=19)
+    assert batch.sequence_lengths().tolist() == [5, 19, 3, 14, 7]
+    micro, order = split_micro_batches(batch, max_tokens=24, multiple=2)
+    assert [tuple(m.input_ids.shape) for m in micro] == [(1, 20), (1, 14), (3, 8)]
+    assert order.tolist() == [1, 3, 4, 0, 2]
+    for m, rows_ in zip(micro, [[1], [3], [4, 0, 2]], strict=True):
+        width = min(m.seq_length, batch.seq_length)
+        for j, r in enumerate(rows_):
+            assert torch.equal(m.input_ids[j, :width], batch.input_ids[r, :width])
+            assert torch.equal(m.advantages[j, :width], batch.advantages[r, :width])
+            # nothing of the loss is cut: every response token is inside the micro-batch
+            assert m.response_mask[j].sum() == batch.response_mask[r].sum()
+    # the longest row, 19 tokens, is padded to the multiple of 2 past the batch's 19 columns
+    assert micro[0].input_ids[0, 19] == 0 and micro[0].response_mask[0, 19] == 0
+
+
+def test_equal_split_is_unchanged_and_the_two_options_are_exclusive():
+    batch = batch_of([(3, 2), (4, 15), (2, 1), (5, 9)], seq=21)
+    micro, order = split_micro_batches(batch, num_microbatches=2, multiple=4)
+    assert order is None and [tuple(m.input_ids.shape) for m in micro] == [(2, 24), (2, 24)]
+    with pytest.raises(ValueError, match="num_microbatches=2 and max_tokens=64"):
+        split_micro_batches(batch, num_microbatches=2, max_tokens=64)
