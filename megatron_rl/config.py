@@ -110,7 +110,18 @@ class ActorConfig:
     ppo_mini_batch_size: int = 32
     """Samples per optimizer step, over all DP ranks (VAPO: 512)."""
     micro_batch_size: int = 4
-    """Samples per forward/backward on one rank."""
+    """Samples per forward/backward on one rank (without use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Micro-batches by token budget instead of micro_batch_size (verl's name): rows grouped
+    longest first, each micro-batch padded only to its own longest row, so a long-tailed
+    length distribution costs its tokens, not rows x the longest response. Exact: the
+    loss is normalised over the mini-batch, however it is split."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """With use_dynamic_bsz: padded tokens (rows x length) per training micro-batch on one
+    model replica. At least max_prompt_length + max_new_tokens."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """With use_dynamic_bsz: the budget of the forward-only passes (old and reference
+    log-probs), which keep no activations for a backward; None: ppo_max_token_len_per_gpu."""
     ppo_epochs: int = 1
     grad_offload: bool = False
     """Free the gradient buffers between updates (rollout, experience, sync): memory for vLLM."""
@@ -119,7 +130,22 @@ class ActorConfig:
     bf16/fp16 params: with fp32 ones megatron's optimizer steps the model's own weights)."""
 
     def __post_init__(self) -> None:
-        check_at_least(self, ppo_mini_batch_size=1, micro_batch_size=1, ppo_epochs=1)
+        check_at_least(
+            self,
+            ppo_mini_batch_size=1,
+            micro_batch_size=1,
+            ppo_epochs=1,
+            ppo_max_token_len_per_gpu=1,
+        )
+        if self.log_prob_max_token_len_per_gpu is not None:
+            check_at_least(self, log_prob_max_token_len_per_gpu=1)
+
+    def token_budget(self, forward: bool = False) -> int | None:
+        """Padded tokens per micro-batch of a training (or `forward`-only) pass; None without
+        use_dynamic_bsz (micro_batch_size decides)."""
+        if not self.use_dynamic_bsz:
+            return None
+        return (forward and self.log_prob_max_token_len_per_gpu) or self.ppo_max_token_len_per_gpu
 
 
 @dataclass(frozen=True)
@@ -135,10 +161,28 @@ class CriticConfig:
     pretrain_ev_warn_below: float = 0.3
     """Warn when value pretraining ends below this explained variance: the critic then
     explains little of the returns, and GAE advantages (lambda < 1) lean on its noise."""
+    use_dynamic_bsz: bool = False
+    """As actor.use_dynamic_bsz, for the critic's update and values (without it the
+    critic splits like the actor's micro_batch_size)."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """As actor.ppo_max_token_len_per_gpu."""
+    forward_max_token_len_per_gpu: int | None = None
+    """The budget of the critic's forward-only values pass; None: ppo_max_token_len_per_gpu."""
     grad_offload: bool = False
     """As actor.grad_offload, for the critic."""
     optimizer_offload: bool = False
     """As actor.optimizer_offload, for the critic."""
+
+    def __post_init__(self) -> None:
+        check_at_least(self, ppo_max_token_len_per_gpu=1)
+        if self.forward_max_token_len_per_gpu is not None:
+            check_at_least(self, forward_max_token_len_per_gpu=1)
+
+    def token_budget(self, forward: bool = False) -> int | None:
+        """As ActorConfig.token_budget."""
+        if not self.use_dynamic_bsz:
+            return None
+        return (forward and self.forward_max_token_len_per_gpu) or self.ppo_max_token_len_per_gpu
 
 
 @dataclass(frozen=True)
@@ -394,7 +438,10 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "
             f"data-parallel size {dp} (world {world_size} / TP x PP {config.parallel.model_parallel_size})"
         )
-    if a.ppo_mini_batch_size % (a.micro_batch_size * dp):
+    critic_splits_equally = config.use_critic and not config.critic.use_dynamic_bsz
+    if (not a.use_dynamic_bsz or critic_splits_equally) and a.ppo_mini_batch_size % (
+        a.micro_batch_size * dp
+    ):
         raise ConfigError(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is not divisible by "
             f"actor.micro_batch_size x data-parallel size = {a.micro_batch_size} x {dp}"
@@ -423,6 +470,22 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
                     f"{role}.optimizer_offload needs model.precision.params_dtype bfloat16 or "
                     "float16: with float32 parameters megatron's optimizer steps the model's "
                     "own weights, which would leave the device with it"
+                )
+    longest = config.data.max_prompt_length + r.max_new_tokens
+    for role, forward_key in (("actor", "log_prob"), ("critic", "forward")):
+        role_cfg = getattr(config, role)
+        for forward in (False, True):
+            budget = role_cfg.token_budget(forward)
+            if budget is not None and budget < longest:
+                key = (
+                    f"{forward_key}_max_token_len_per_gpu"
+                    if forward
+                    else "ppo_max_token_len_per_gpu"
+                )
+                raise ConfigError(
+                    f"{role}.{key}={budget} (with use_dynamic_bsz) is below the longest "
+                    f"sequence, data.max_prompt_length + rollout.max_new_tokens = {longest}: "
+                    "one sequence must fit a micro-batch"
                 )
     if config.critic.pretrain_steps and not config.use_critic:
         raise ConfigError(

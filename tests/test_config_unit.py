@@ -190,3 +190,29 @@ def test_entry_point_fails_on_config_errors_before_building_anything(tiny_model_
         )
         assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
         assert "config error" in r.stderr
+
+
+def test_token_budgets_must_hold_the_longest_sequence(tiny_model_dir):
+    # the vapo recipe: max_prompt_length 128 + max_new_tokens 16
+    dynamic = ("parallel.tensor_model_parallel_size=1", "actor.use_dynamic_bsz=true")
+    with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=100 .* = 144"):
+        validate_config(
+            config_for(tiny_model_dir, *dynamic, "actor.ppo_max_token_len_per_gpu=100"), 2
+        )
+    with pytest.raises(ConfigError, match=r"critic.forward_max_token_len_per_gpu=143 "):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "critic.use_dynamic_bsz=true",
+                "critic.forward_max_token_len_per_gpu=143",
+            ),
+            2,
+        )
+    # micro_batch_size no longer has to divide the mini-batch once no role splits by it ...
+    both = (*dynamic, "critic.use_dynamic_bsz=true", "actor.micro_batch_size=3")
+    validate_config(config_for(tiny_model_dir, *both), 2)
+    # ... but still does while the critic does
+    with pytest.raises(ConfigError, match="not divisible by actor.micro_batch_size"):
+        validate_config(config_for(tiny_model_dir, *dynamic, "actor.micro_batch_size=3"), 2)
+    with pytest.raises(ValueError, match="log_prob_max_token_len_per_gpu must be >= 1, got 0"):
+        config_for(tiny_model_dir, "actor.log_prob_max_token_len_per_gpu=0")

@@ -56,20 +56,33 @@ def compute_advantages(
     return out.rewhiten(data_parallel_moments(out.raw_moments()))
 
 
+def micro_batching(role_cfg, num_microbatches: int, forward: bool = False) -> dict:
+    """A role's split keywords: its token budget (`use_dynamic_bsz`), else
+    `num_microbatches` equal micro-batches."""
+    budget = role_cfg.token_budget(forward)
+    return {"max_tokens": budget} if budget else {"num_microbatches": num_microbatches}
+
+
+def forward_micro_batching(config, role: str, rows: int) -> dict:
+    """Split of a forward-only pass of `role` ("actor" also for the reference) over `rows`."""
+    nmb = forward_microbatches(rows, config.actor.micro_batch_size)
+    return micro_batching(getattr(config, role), nmb, forward=True)
+
+
 def make_experience(
-    groups, actor, critic, reference, config, micro_batch_size: int, pad_token_id: int
+    groups, actor, critic, reference, config, pad_token_id: int
 ) -> tuple[TrainingBatch, dict[str, float]]:
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch and
     the experience metrics (KL, engine vs trainer log-probs, advantage/value means)."""
     batch, group_index = rated_to_batch(groups, pad_token_id)
-    nmb = forward_microbatches(len(batch), micro_batch_size)
+    split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
-    old = actor.compute_logprobs(batch, nmb)
+    old = actor.compute_logprobs(batch, **split)
     fields = {"old_logprobs": old}
     metrics = {}
     token_kl = None
     if reference is not None:
-        ref = reference.compute_logprobs(batch, nmb)
+        ref = reference.compute_logprobs(batch, **split)
         fields["ref_logprobs"] = ref
         token_kl = kl_estimate(old, ref, "k1")
         metrics["kl"] = masked_mean(token_kl, mask).item()
@@ -77,7 +90,9 @@ def make_experience(
             token_kl = None  # KL only in the loss (GRPO): not folded into the rewards
     values = None
     if critic is not None:
-        values = critic.compute_values(batch, nmb)
+        values = critic.compute_values(
+            batch, **forward_micro_batching(config, "critic", len(batch))
+        )
         fields["old_values"] = values
     out = compute_advantages(batch, group_index, config.algorithm, values, token_kl)
     advantages, returns = out.advantages.float(), out.returns.float()

@@ -20,7 +20,7 @@ import yaml
 
 from megatron_rl import platform
 from megatron_rl.config import ConfigError, TrainConfig, to_dict, validate_config
-from megatron_rl.data.batch import forward_microbatches, mini_batches, rated_to_batch
+from megatron_rl.data.batch import mini_batches, rated_to_batch
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.collectives import (
     any_rank,
@@ -44,7 +44,12 @@ from megatron_rl.trainer.checkpoint import (
     save_roles,
     set_rng_state,
 )
-from megatron_rl.trainer.experience import compute_advantages, make_experience
+from megatron_rl.trainer.experience import (
+    compute_advantages,
+    forward_micro_batching,
+    make_experience,
+    micro_batching,
+)
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import MetricsLogger
 
@@ -287,13 +292,14 @@ class RLTrainer:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
         per_rank, nmb = self._minibatch_plan()
+        actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
         g = self._generator("train", step)
         actor_records, critic_records = [], []
         for _ in range(c.actor.ppo_epochs):
             for mb in mini_batches(batch, per_rank, g):
-                actor_records.append(self.actor.update(mb, c.actor.loss, nmb))
+                actor_records.append(self.actor.update(mb, c.actor.loss, **actor_split))
                 if self.critic is not None:
-                    critic_records.append(self.critic.update(mb, c.critic.loss, nmb))
+                    critic_records.append(self.critic.update(mb, c.critic.loss, **critic_split))
         self.nonfinite_in_a_row = nonfinite_streak(
             self.nonfinite_in_a_row,
             actor_records + critic_records,
@@ -327,7 +333,6 @@ class RLTrainer:
                 self.critic,
                 self.reference,
                 c,
-                c.actor.micro_batch_size,
                 self.pad_token_id,
             )
         t2 = time.perf_counter()
@@ -383,13 +388,13 @@ class RLTrainer:
         batch, group_index = rated_to_batch(groups, self.pad_token_id)
         per_rank, nmb = self._minibatch_plan()
         values = self.critic.compute_values(
-            batch, forward_microbatches(len(batch), c.actor.micro_batch_size)
+            batch, **forward_micro_batching(c, "critic", len(batch))
         )
         mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
         returns = compute_advantages(batch, group_index, mc, values).returns.float()
         batch = batch.with_fields(returns=returns, old_values=values)
         records = [
-            self.critic.update(mb, c.critic.loss, nmb)
+            self.critic.update(mb, c.critic.loss, **micro_batching(c.critic, nmb))
             for mb in mini_batches(batch, per_rank, self._generator("value_pretrain", step))
         ]
         self.nonfinite_in_a_row = nonfinite_streak(

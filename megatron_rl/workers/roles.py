@@ -151,7 +151,9 @@ class TrainableRole(MegatronRole):
         if shares:  # every rank of a DP group is the same pipeline stage: all call this
             totals = data_parallel_sum(torch.stack([out[k].sum() for k in shares]))
             out.update(zip(shares, totals, strict=True))
-        return {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
+        out = {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
+        out["micro_batches"] = float(len(micro))  # this rank's, token budgets make it vary
+        return out
 
     def update(
         self,

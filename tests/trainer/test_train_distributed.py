@@ -158,10 +158,22 @@ BF16_ROLLOUT_CORRECTED = [
 ]
 
 
+# Token-budget micro-batches: prompts of ~20 tokens + responses of <= 16 in 40 tokens, so
+# one row per training micro-batch (the PPO mini-batch has 2 rows per rank).
+DYNAMIC_BSZ = (
+    "data.max_prompt_length=24",
+    "actor.use_dynamic_bsz=true",
+    "actor.ppo_max_token_len_per_gpu=40",
+    "actor.log_prob_max_token_len_per_gpu=80",
+    "critic.use_dynamic_bsz=true",
+    "critic.ppo_max_token_len_per_gpu=40",
+)
+
+
 @pytest.mark.parametrize(
     "recipe,has_critic,extra",
     [
-        ("ppo", True, ("actor.grad_offload=true", "critic.grad_offload=true")),
+        ("ppo", True, ("actor.grad_offload=true", "critic.grad_offload=true", *DYNAMIC_BSZ)),
         ("grpo", False, ()),
         ("rloo", False, BF16_ROLLOUT_CORRECTED),
         ("reinforce_pp", False, ()),
@@ -169,8 +181,8 @@ BF16_ROLLOUT_CORRECTED = [
 )
 def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
     """Each tiny recipe (GRPO: dynamic filtering, KL in the loss) trains for two steps; PPO
-    with its gradient buffers freed between updates; RLOO with a bf16 rollout corrected by
-    TIS and rejection."""
+    with its gradient buffers freed between updates and token-budget micro-batches; RLOO
+    with a bf16 rollout corrected by TIS and rejection."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
     recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
@@ -193,6 +205,8 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
             assert 0 < r["rollout_corr/rollout_is_clipped_fraction"] < 1  # ... weights capped
             assert r["rollout_corr/rollout_is_eff_sample_size"] < 1
             assert r["rollout_corr/kl"] != 0
+    if "actor.use_dynamic_bsz=true" in extra:  # the budget, not micro_batch_size (1), split
+        assert all(r["micro_batches"] == r["critic/micro_batches"] == 2 for r in records)
     first, last = checkpoint(out, 1), checkpoint(out, 2)
     assert not same_weights(first["actor"], last["actor"])
     if has_critic:
