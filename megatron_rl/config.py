@@ -214,6 +214,10 @@ class TrainerConfig:
     overwrite: bool = False
     """With resume: false, clear the checkpoints and metrics an earlier run left in
     output_dir; without it such an output_dir is refused (nothing is ever mixed)."""
+    balance_batch: bool | None = None
+    """Re-deal the experience's rows over the data-parallel ranks so their token counts are
+    even before the update (verl's name; `parallel.collectives.balance_over_data_parallel`).
+    None: on with actor.use_dynamic_bsz, where a rank's micro-batches cost its tokens."""
     max_nonfinite_in_a_row: int = 3
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
     tensorboard: bool = True

@@ -60,6 +60,10 @@ class MemoryPlanConfig:
     """Micro-batches per optimizer step on one DP rank (bounds what 1F1B keeps in flight)."""
     seq_length: int = 4096
     """Prompt + response tokens of one sample."""
+    max_tokens_per_micro_batch: int | None = None
+    """With use_dynamic_bsz, the token budget (`ppo_max_token_len_per_gpu`): a micro-batch
+    holds at most this many padded tokens, whatever its rows (micro_batch_size is then
+    unused); per-token terms that grow with the length stay bounded by seq_length."""
     recompute_granularity: str | None = None
     """None, "selective" (attention core) or "full" (every layer, uniform, 1 layer a chunk)."""
     fp8: bool = False
@@ -102,6 +106,18 @@ class MemoryPlanConfig:
                      "seq_length"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise PlanError(f"{name}={getattr(self, name)}: expected a positive integer")
+        if self.max_tokens_per_micro_batch is not None and (
+            self.max_tokens_per_micro_batch < self.seq_length
+        ):
+            raise PlanError(
+                f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is below "
+                f"seq_length={self.seq_length}: one sequence must fit a micro-batch"
+            )
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens of the largest micro-batch."""
+        return self.max_tokens_per_micro_batch or self.micro_batch_size * self.seq_length
 
     @property
     def num_gpus(self) -> int:
@@ -233,7 +249,7 @@ def layer_activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> floa
     """Bytes one layer saves for one micro-batch."""
     items = layer_activation_elements(arch, c)
     width = _bytes_per_element(c)
-    tokens = c.micro_batch_size * c.seq_length
+    tokens = c.micro_batch_tokens
     total = sum(items.values()) * width
     if c.fp8 and "gemm_inputs" in items:
         total -= items["gemm_inputs"] * (width - 1)  # FP8 copies of GEMM inputs
@@ -257,7 +273,7 @@ def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
     entropy's two when an entropy bonus is in the loss."""
     tp = c.tensor_model_parallel_size
     sp = tp if c.sequence_parallel else 1
-    tokens = c.micro_batch_size * c.seq_length
+    tokens = c.micro_batch_tokens
     h = arch.hidden_size
     norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * _bytes_per_element(c)
     copies = 3 if c.entropy_loss else 1
@@ -268,7 +284,7 @@ def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
 def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
     """Peak activation bytes of one role's forward-backward on its busiest stage."""
     sp = c.tensor_model_parallel_size if c.sequence_parallel else 1
-    tokens = c.micro_batch_size * c.seq_length
+    tokens = c.micro_batch_tokens
     stored = layer_activation_bytes(arch, c)  # what a layer keeps until its backward
     recompute = 0  # what one layer saves again while it is recomputed in backward
     if c.recompute_granularity == "full":

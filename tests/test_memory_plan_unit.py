@@ -107,6 +107,21 @@ def test_recompute_and_sequence_parallelism_cut_activations():
     assert activation_bytes(arch, local_selective, "actor") < activation_bytes(arch, local, "actor")
 
 
+def test_a_token_budget_bounds_the_activations_of_a_micro_batch():
+    """use_dynamic_bsz: activations follow the budget's tokens, not micro_batch_size x the
+    longest sequence; a budget of exactly those tokens plans the same bytes."""
+    arch = preset_arch("qwen2.5-7b")
+    for profile, dtype in (("te", "bf16"), ("local", "fp32")):
+        rows = MemoryPlanConfig(
+            micro_batch_size=4, seq_length=8192, profile=profile, params_dtype=dtype
+        )
+        same = dataclasses.replace(rows, micro_batch_size=1, max_tokens_per_micro_batch=4 * 8192)
+        half = dataclasses.replace(same, max_tokens_per_micro_batch=2 * 8192)
+        for role in ("actor", "critic"):
+            assert activation_bytes(arch, same, role) == activation_bytes(arch, rows, role)
+            assert activation_bytes(arch, half, role) < activation_bytes(arch, same, role)
+
+
 def test_pipeline_keeps_pp_microbatches_in_flight_and_interleaving_more():
     arch = preset_arch("qwen2.5-7b")
     pp4 = MemoryPlanConfig(pipeline_model_parallel_size=4, num_microbatches=16, seq_length=1024)
@@ -154,6 +169,10 @@ def test_vllm_memory_that_cannot_hold_its_weights_is_reported():
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
         (dict(seq_length=0), "seq_length=0"),
         (dict(fp8=True, params_dtype="fp32"), "fp8 needs params_dtype=bf16"),
+        (
+            dict(seq_length=4096, max_tokens_per_micro_batch=4000),
+            "max_tokens_per_micro_batch=4000 is below seq_length=4096",
+        ),
     ],
 )
 def test_bad_settings_name_the_parameter(kwargs, message):

@@ -26,6 +26,10 @@ BENCHMARKS = {
         "tools.bench_rollout",
         "generate-and-score: Ray reward pool overlapping vLLM vs inline scoring",
     ),
+    "long_cot": (
+        "tools.bench_long_cot",
+        "long-tailed CoT batch: token-budget micro-batches vs padding to the longest, tokens/s",
+    ),
     "step_breakdown": (
         "tools.bench_step_breakdown",
         "tiny demo RL step: shares of generate / score / experience / train / sync",

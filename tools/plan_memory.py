@@ -55,6 +55,7 @@ def recipe_settings(path: str) -> dict:
         use_distributed_optimizer=c.actor.optim.use_distributed_optimizer,
         micro_batch_size=c.actor.micro_batch_size,
         seq_length=c.data.max_prompt_length + c.rollout.max_new_tokens,
+        max_tokens_per_micro_batch=c.actor.token_budget(),
         recompute_granularity=c.model.recompute.granularity,
         fp8=c.model.precision.fp8 is not None,
         params_dtype="bf16" if c.model.precision.bf16 else "fp32",
@@ -98,6 +99,11 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=_list(int))
     p.add_argument("--num-microbatches", type=int, default=64)
     p.add_argument("--seq-length", type=int)
+    p.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        help="use_dynamic_bsz: the token budget (actor.ppo_max_token_len_per_gpu)",
+    )
     p.add_argument("--recompute", type=_list(_recompute), help="none, selective, full")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction)
     p.add_argument("--params-dtype", choices=["bf16", "fp32"])
@@ -133,6 +139,7 @@ def main(argv=None) -> int:
         "use_distributed_optimizer": a.distributed_optimizer,
         "num_microbatches": a.num_microbatches,
         "seq_length": a.seq_length,
+        "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
         "fp8": a.fp8,
         "params_dtype": a.params_dtype,
         "profile": a.profile,

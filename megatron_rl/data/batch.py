@@ -151,6 +151,24 @@ def token_budget_partition(
     return parts
 
 
+def balanced_assignment(lengths: list[int], counts: list[int]) -> list[list[int]]:
+    """Rows -> data-parallel ranks, rank r getting `counts[r]` rows, with sums of lengths as
+    even as a greedy can make them (verl's `balance_batch`): longest row first, each to the
+    rank with the fewest tokens that still has room. A rank with the long tail of a rollout
+    otherwise makes every other rank wait at each gradient all-reduce."""
+    if sum(counts) != len(lengths):
+        raise ValueError(f"{len(lengths)} rows for ranks of {counts} rows")
+    ranks: list[list[int]] = [[] for _ in counts]
+    tokens = [0] * len(counts)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(
+            (r for r in range(len(counts)) if len(ranks[r]) < counts[r]), key=tokens.__getitem__
+        )
+        ranks[r].append(i)
+        tokens[r] += lengths[i]
+    return [sorted(rows) for rows in ranks]
+
+
 def split_micro_batches(
     batch: TrainingBatch,
     num_microbatches: int = 1,

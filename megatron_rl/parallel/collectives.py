@@ -12,6 +12,7 @@ import torch
 
 from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
 from megatron_rl.algorithms.masked import Moments
+from megatron_rl.data.batch import TrainingBatch, balanced_assignment
 
 
 def _data_parallel_group():
@@ -45,6 +46,57 @@ def data_parallel_min(value: int) -> int:
     if group is not None:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+def data_parallel_gather_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Every DP rank's rows of `t` [B_r, ...] (one trailing shape on every rank), concatenated
+    in rank order on every rank, and the B_r of each rank."""
+    group = _data_parallel_group()
+    if group is None:
+        return t, [len(t)]
+    n = torch.distributed.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+    torch.distributed.all_gather(sizes, torch.tensor([len(t)]), group=group)
+    counts = [int(s) for s in sizes]
+    padded = torch.zeros((max(counts), *t.shape[1:]), dtype=t.dtype)
+    padded[: len(t)] = t
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)]), counts
+
+
+def balance_over_data_parallel(batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+    """Re-deal the rows of the DP-global batch so each rank keeps its number of rows and the
+    ranks' token sums are balanced (`balanced_assignment`); losses are unchanged (they are
+    normalised over the DP-global batch). Every rank gathers the whole batch: simple, and
+    small next to the rollout that made it. Returns this rank's rows and the largest rank's
+    tokens over the mean, before and after."""
+    group = _data_parallel_group()
+    if group is None:
+        return batch, {}
+    length = int(data_parallel_max(torch.tensor([batch.seq_length])))
+    batch = batch.with_length(length)
+    fields = {
+        name: data_parallel_gather_rows(value)[0]
+        for name, value in vars(batch).items()
+        if value is not None
+    }
+    everything = TrainingBatch(**fields)
+    lengths = everything.sequence_lengths().tolist()
+    counts = data_parallel_gather_rows(torch.zeros(len(batch)))[1]
+    ranks = balanced_assignment(lengths, counts)
+    before, start = [], 0
+    for c in counts:
+        before.append(sum(lengths[start : start + c]))
+        start += c
+    after = [sum(lengths[i] for i in rows) for rows in ranks]
+    mean = sum(lengths) / len(counts)
+    mine = ranks[torch.distributed.get_rank(group)]
+    metrics = {
+        "dp_tokens_max_over_mean_before": max(before) / mean,
+        "dp_tokens_max_over_mean": max(after) / mean,
+    }
+    return everything.rows(torch.tensor(mine)), metrics
 
 
 def global_token_counts(response_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:

@@ -20,10 +20,11 @@ import yaml
 
 from megatron_rl import platform
 from megatron_rl.config import ConfigError, TrainConfig, to_dict, validate_config
-from megatron_rl.data.batch import mini_batches, rated_to_batch
+from megatron_rl.data.batch import TrainingBatch, mini_batches, rated_to_batch
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.collectives import (
     any_rank,
+    balance_over_data_parallel,
     data_parallel_explained_variance,
     data_parallel_min,
     data_parallel_sum,
@@ -288,9 +289,17 @@ class RLTrainer:
             request_seed(self.config.trainer.seed, STAGES[stage], step, 7)
         )
 
+    def _balanced(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+        c = self.config
+        on = c.trainer.balance_batch
+        if on is None:
+            on = c.actor.use_dynamic_bsz
+        return balance_over_data_parallel(batch) if on else (batch, {})
+
     def update(self, batch, step: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
+        batch, balance_metrics = self._balanced(batch)
         per_rank, nmb = self._minibatch_plan()
         actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
         g = self._generator("train", step)
@@ -309,6 +318,7 @@ class RLTrainer:
         metrics = _mean_metrics(actor_records)
         metrics.update({f"critic/{k}": v for k, v in _mean_metrics(critic_records).items()})
         metrics["num_updates"] = float(len(actor_records))
+        metrics.update(balance_metrics)
         return metrics
 
     def train_step(self) -> dict[str, float]:
@@ -386,13 +396,16 @@ class RLTrainer:
     def _value_pretrain_update(self, groups, step: int) -> dict[str, float]:
         c = self.config
         batch, group_index = rated_to_batch(groups, self.pad_token_id)
+        mask = batch.response_mask
         per_rank, nmb = self._minibatch_plan()
         values = self.critic.compute_values(
             batch, **forward_micro_batching(c, "critic", len(batch))
         )
         mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
         returns = compute_advantages(batch, group_index, mc, values).returns.float()
-        batch = batch.with_fields(returns=returns, old_values=values)
+        batch, balance_metrics = self._balanced(
+            batch.with_fields(returns=returns, old_values=values)
+        )
         records = [
             self.critic.update(mb, c.critic.loss, **micro_batching(c.critic, nmb))
             for mb in mini_batches(batch, per_rank, self._generator("value_pretrain", step))
@@ -403,8 +416,9 @@ class RLTrainer:
         self.offload_trained_roles()
         metrics = {f"critic/{k}": v for k, v in _mean_metrics(records).items()}
         metrics["critic/explained_variance"] = data_parallel_explained_variance(
-            values, returns, batch.response_mask
+            values, returns, mask
         )
+        metrics.update(balance_metrics)
         return metrics
 
     def evaluate(self) -> dict[str, float]:

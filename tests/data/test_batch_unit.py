@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from megatron_rl.data.batch import (
     TrainingBatch,
+    balanced_assignment,
     round_up,
     split_micro_batches,
     token_budget_partition,
@@ -89,3 +90,26 @@ def test_equal_split_is_unchanged_and_the_two_options_are_exclusive():
     assert order is None and [tuple(m.input_ids.shape) for m in micro] == [(2, 24), (2, 24)]
     with pytest.raises(ValueError, match="num_microbatches=2 and max_tokens=64"):
         split_micro_batches(batch, num_microbatches=2, max_tokens=64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 2048), min_size=2, max_size=64),
+    ranks=st.integers(1, 4),
+)
+def test_balanced_assignment_keeps_each_ranks_row_count(lengths, ranks):
+    counts = [len(lengths) // ranks] * ranks
+    counts[0] += len(lengths) - sum(counts)
+    assignment = balanced_assignment(lengths, counts)
+    assert [len(rows) for rows in assignment] == counts
+    assert sorted(i for rows in assignment for i in rows) == list(range(len(lengths)))
+
+
+def test_balanced_assignment_spreads_a_long_tail_over_the_ranks():
+    # rank 0 sampled the long responses, rank 1 the short ones
+    lengths = [2048, 1500, 900, 700, 100, 90, 80, 60]
+    ranks = balanced_assignment(lengths, [4, 4])
+    sums = [sum(lengths[i] for i in rows) for rows in ranks]
+    assert sums == [2048 + 700 + 80 + 60, 1500 + 900 + 100 + 90]  # 2888 / 2590, was 5148 / 330
+    with pytest.raises(ValueError, match="8 rows for ranks of \\[4, 3\\] rows"):
+        balanced_assignment(lengths, [4, 3])

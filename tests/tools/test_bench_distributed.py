@@ -36,6 +36,29 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         assert result[key] > 0
 
 
+def test_bench_long_cot_writes_one_result_line(tmp_path):
+    from tools.bench_long_cot import long_tailed_lengths
+
+    lengths = long_tailed_lengths(400, median=256, sigma=1.0, max_length=2048)
+    assert lengths[0] == max(lengths) == 2048 and min(lengths) >= 1
+    assert 200 <= sorted(lengths)[200] <= 320  # lognormal around its median
+    out = tmp_path / "results.jsonl"
+    small = ["--rows", "8", "--median", "24", "--max-length", "96", "--prompt-length", "8"]
+    run_torchrun(
+        "tools.bench_long_cot",
+        [*small, "--steps", "1", "--warmup", "0", "--out", str(out)],
+        nproc=1,
+    )
+    (line,) = out.read_text().splitlines()
+    result = json.loads(line)
+    assert result["max_tokens_per_micro_batch"] == 2 * (8 + 96)
+    assert result["padded_micro_batches"] == 4 and result["padded_padded_tokens"] == 8 * 104
+    # the same rows in fewer micro-batches, with less padding, never under the real tokens
+    assert result["token_budget_micro_batches"] < 4
+    assert result["real_tokens"] <= result["token_budget_padded_tokens"] < 8 * 104
+    assert result["speedup_token_budget_over_padded"] > 0
+
+
 def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     """Both in one process (one vLLM import): the tiny preset, one timed step each."""
     out = tmp_path / "results.jsonl"

@@ -15,6 +15,7 @@ from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel.collectives import balance_over_data_parallel
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.policy import Actor
@@ -36,6 +37,8 @@ LAYOUTS = {
     "dp2-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
     "tp2-sp-tok": (SP, {"max_tokens": TOKEN_BUDGET}),
     "pp2-tok": (PP, {"max_tokens": TOKEN_BUDGET}),
+    # the rows re-dealt over the DP ranks by token count first (trainer.balance_batch)
+    "dp2-bal": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
 }
 LOSSES = {
     "token-mean+nll": PolicyLossConfig(loss_agg_mode="token-mean", nll_coef=0.1),
@@ -75,6 +78,11 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
     rows = slice(ctx.dp_rank * rows_per_rank, (ctx.dp_rank + 1) * rows_per_rank)
     local = batch.rows(rows)
     result = {"rows": (rows.start, rows.stop), "grads": {}, "metrics": {}}
+    if name.endswith("-bal"):  # rank 0 starts with the longest rows, rank 1 the shortest
+        by_length = torch.argsort(batch.sequence_lengths(), descending=True, stable=True)
+        local = batch.rows(by_length[rows])
+        local, result["balance"] = balance_over_data_parallel(local)
+        result["input_ids"] = local.input_ids
 
     actor = Actor(arch, layout, hf_dir)
     for loss_name, cfg in LOSSES.items():

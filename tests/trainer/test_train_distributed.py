@@ -207,6 +207,11 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
             assert r["rollout_corr/kl"] != 0
     if "actor.use_dynamic_bsz=true" in extra:  # the budget, not micro_batch_size (1), split
         assert all(r["micro_batches"] == r["critic/micro_batches"] == 2 for r in records)
+        # trainer.balance_batch follows use_dynamic_bsz: the ranks' token counts were evened
+        assert all(
+            1 <= r["dp_tokens_max_over_mean"] <= r["dp_tokens_max_over_mean_before"]
+            for r in records
+        )
     first, last = checkpoint(out, 1), checkpoint(out, 2)
     assert not same_weights(first["actor"], last["actor"])
     if has_critic:

@@ -50,9 +50,11 @@ def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     args = ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out), "--layouts"]
     run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1,dp1-mb4,dp1-tok"], nproc=1)
-    two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok"
+    two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,dp2-bal"
     run_torchrun("tests.torchrun.actor_critic", [*args, two], nproc=2)
-    return {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS]}
+    merged = {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS, "dp2-bal"]}
+    merged["dp2-bal"]["ranks"] = [torch.load(f) for f in sorted(out.glob("dp2-bal.rank*.pt"))]
+    return merged
 
 
 def relative_max_diff(reference: dict, other: dict) -> float:
@@ -62,7 +64,7 @@ def relative_max_diff(reference: dict, other: dict) -> float:
     return max((reference[k] - other[k]).abs().max().item() for k in reference) / norm
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "dp2-bal"])
 @pytest.mark.parametrize("loss", ["token-mean+nll", "seq-mean-token-mean", "entropy+kl"])
 def test_actor_gradients_do_not_depend_on_the_split(results, layout, loss):
     reference = results["dp1-mb1"]["grads"][loss]
@@ -70,11 +72,25 @@ def test_actor_gradients_do_not_depend_on_the_split(results, layout, loss):
     assert relative_max_diff(reference, results[layout]["grads"][loss]) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "dp2-bal"])
 def test_critic_gradients_do_not_depend_on_the_split(results, layout):
     reference = results["dp1-mb1"]["critic_grads"]
     assert "score.weight" in reference and "lm_head.weight" not in reference
     assert relative_max_diff(reference, results[layout]["critic_grads"]) <= 1e-5
+
+
+def test_balancing_re_deals_whole_rows_and_evens_the_ranks_tokens(results, tiny_model_dir):
+    from megatron_rl.models.architecture import ModelArchitecture
+    from tests.torchrun.actor_critic import global_batch
+
+    batch = global_batch(ModelArchitecture.from_hf_config(tiny_model_dir).vocab_size)
+    ranks = results["dp2-bal"]["ranks"]
+    assert [len(r["input_ids"]) for r in ranks] == [4, 4]  # each rank keeps its row count
+    got = sorted(map(tuple, torch.cat([r["input_ids"] for r in ranks]).tolist()))
+    assert got == sorted(map(tuple, batch.input_ids.tolist()))  # every row once, intact
+    metrics = ranks[0]["balance"]
+    assert metrics == ranks[1]["balance"]
+    assert 1 <= metrics["dp_tokens_max_over_mean"] < metrics["dp_tokens_max_over_mean_before"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
