@@ -169,16 +169,35 @@ def balanced_assignment(lengths: list[int], counts: list[int]) -> list[list[int]
     return [sorted(rows) for rows in ranks]
 
 
+def to_count_multiple(parts: list[list[int]], count_multiple: int) -> list[list[int]]:
+    """Split the micro-batches with the most rows in two until their number is a multiple of
+    `count_multiple` (megatron's interleaved schedule runs micro-batches in groups of the
+    pipeline size); halves stay within the budget."""
+    parts = [list(p) for p in parts]
+    while len(parts) % count_multiple:
+        i = max(range(len(parts)), key=lambda j: len(parts[j]))
+        if len(parts[i]) < 2:
+            raise ValueError(
+                f"{len(parts)} rows cannot make a multiple of {count_multiple} micro-batches "
+                "(interleaved pipeline parallelism)"
+            )
+        half = len(parts[i]) // 2
+        parts[i : i + 1] = [parts[i][:half], parts[i][half:]]
+    return parts
+
+
 def split_micro_batches(
     batch: TrainingBatch,
     num_microbatches: int = 1,
     max_tokens: int | None = None,
     multiple: int = 1,
+    count_multiple: int = 1,
 ) -> tuple[list[TrainingBatch], torch.Tensor | None]:
     """(micro-batches, row order). Without `max_tokens`: `num_microbatches` equal slices
     padded to one length, a multiple of `multiple`; order None (the rows stay in place).
-    With it: `token_budget_partition`, each micro-batch cut to its own padded length; order
-    [B] is the batch row of each row of the concatenated micro-batches."""
+    With it: `token_budget_partition`, made `count_multiple` micro-batches long
+    (`to_count_multiple`), each cut to its own padded length; order [B] is the batch row of
+    each row of the concatenated micro-batches."""
     if max_tokens is None:
         return batch.padded_to_multiple(multiple).split(num_microbatches), None
     if num_microbatches != 1:
@@ -187,7 +206,7 @@ def split_micro_batches(
             "token budget decides the number of micro-batches"
         )
     lengths = batch.sequence_lengths().tolist()
-    parts = token_budget_partition(lengths, max_tokens, multiple)
+    parts = to_count_multiple(token_budget_partition(lengths, max_tokens, multiple), count_multiple)
     micro = [
         batch.rows(torch.tensor(rows)).with_length(round_up(lengths[rows[0]], multiple))
         for rows in parts

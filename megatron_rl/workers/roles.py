@@ -41,6 +41,14 @@ class MegatronRole:
     ):
         self.arch, self.layout, self.chunks = arch, layout, chunks
         self.seq_multiple = sequence_multiple(layout, precision)
+        # megatron's interleaved 1F1B takes micro-batches in groups of the pipeline size
+        interleaved = layout.virtual_pipeline_model_parallel_size is not None
+        self.count_multiple = layout.pipeline_model_parallel_size if interleaved else 1
+
+    def split(self, batch: TrainingBatch, num_microbatches: int, max_tokens: int | None):
+        return split_micro_batches(
+            batch, num_microbatches, max_tokens, self.seq_multiple, self.count_multiple
+        )
 
     @torch.no_grad()
     def forward_collect(
@@ -56,7 +64,7 @@ class MegatronRole:
         stopped before."""
         for chunk in self.chunks:
             chunk.eval()
-        micro, order = split_micro_batches(batch, num_microbatches, max_tokens, self.seq_multiple)
+        micro, order = self.split(batch, num_microbatches, max_tokens)
         parts = run_schedule(self.chunks, micro, collect, forward_only=True, collect_outputs=True)
         out = broadcast_from_last_stage(parts, batch.input_ids.shape, torch.float32)
         if order is None:
@@ -137,7 +145,7 @@ class TrainableRole(MegatronRole):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         counts = global_token_counts(batch.response_mask, batch.scores)
-        micro, _ = split_micro_batches(batch, num_microbatches, max_tokens, self.seq_multiple)
+        micro, _ = self.split(batch, num_microbatches, max_tokens)
         # Megatron averages over this rank's micro-batches and DDP over DP ranks; the
         # scale undoes both, whatever number of micro-batches each rank runs.
         scale = len(micro) * parallel_state.get_data_parallel_world_size()

@@ -13,6 +13,7 @@ from megatron_rl.data.batch import (
     balanced_assignment,
     round_up,
     split_micro_batches,
+    to_count_multiple,
     token_budget_partition,
 )
 
@@ -113,3 +114,12 @@ def test_balanced_assignment_spreads_a_long_tail_over_the_ranks():
     assert sums == [2048 + 700 + 80 + 60, 1500 + 900 + 100 + 90]  # 2888 / 2590, was 5148 / 330
     with pytest.raises(ValueError, match="8 rows for ranks of \\[4, 3\\] rows"):
         balanced_assignment(lengths, [4, 3])
+
+
+def test_interleaved_pipelines_get_a_multiple_of_their_size_in_micro_batches():
+    parts = token_budget_partition([30, 20, 10, 10, 10], 60)  # [30, 20], [10, 10, 10]
+    assert to_count_multiple(parts, 2) == parts
+    assert to_count_multiple(parts, 3) == [[0, 1], [2], [3, 4]]  # the fullest one split
+    assert to_count_multiple([[0], [1]], 1) == [[0], [1]]
+    with pytest.raises(ValueError, match="2 rows cannot make a multiple of 4 micro-batches"):
+        to_count_multiple([[0], [1]], 4)

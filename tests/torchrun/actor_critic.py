@@ -37,6 +37,12 @@ LAYOUTS = {
     "dp2-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
     "tp2-sp-tok": (SP, {"max_tokens": TOKEN_BUDGET}),
     "pp2-tok": (PP, {"max_tokens": TOKEN_BUDGET}),
+    "vpp2-tok": (
+        platform.ParallelLayout(
+            pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+        ),
+        {"max_tokens": TOKEN_BUDGET},
+    ),
     # the rows re-dealt over the DP ranks by token count first (trainer.balance_batch)
     "dp2-bal": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
 }

@@ -24,6 +24,7 @@ LAYOUTS = [
     "dp2-tok",
     "tp2-sp-tok",
     "pp2-tok",
+    "vpp2-tok",
 ]
 
 
@@ -50,7 +51,7 @@ def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     args = ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out), "--layouts"]
     run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1,dp1-mb4,dp1-tok"], nproc=1)
-    two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,dp2-bal"
+    two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,vpp2-tok,dp2-bal"
     run_torchrun("tests.torchrun.actor_critic", [*args, two], nproc=2)
     merged = {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS, "dp2-bal"]}
     merged["dp2-bal"]["ranks"] = [torch.load(f) for f in sorted(out.glob("dp2-bal.rank*.pt"))]
