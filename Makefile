@@ -48,10 +48,11 @@ lock:
 	rm -rf $(VENV)-lock
 	$(PYTHON) -m venv $(VENV)-lock
 	$(VENV)-lock/bin/pip install --quiet $(PIP_TOOLS)
-	$(VENV)-lock/bin/pip-compile pyproject.toml --extra cpu --extra test --extra demo \
+	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)-lock/bin/pip-compile pyproject.toml \
+		--extra cpu --extra test --extra demo \
 		--generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
 		--unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \
-		--custom-compile-command "make lock" --quiet $(LOCK_ARGS) -o $(LOCK)
+		--quiet $(LOCK_ARGS) -o $(LOCK)
 	rm -rf $(VENV)-lock
 
 clean-venv:

@@ -30,6 +30,10 @@ BENCHMARKS = {
         "tools.bench_long_cot",
         "long-tailed CoT batch: token-budget micro-batches vs padding to the longest, tokens/s",
     ),
+    "rewards": (
+        "tools.bench_rewards",
+        "math reward samples/s: math_verify (symbolic) vs fast, inline and with the Ray pool",
+    ),
     "step_breakdown": (
         "tools.bench_step_breakdown",
         "tiny demo RL step: shares of generate / score / experience / train / sync",

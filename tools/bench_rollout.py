@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_rl.rewards.math_verify import math_reward
+from megatron_rl.rewards.math_reward import math_reward
 from tools.bench_common import record
 
 

@@ -53,21 +53,32 @@ class MathRewardConfig(RewardFnConfig):
     incorrect_reward: float = -1.0
     unparseable_reward: float = -1.0
     fallback_last_number: bool = True
+    backend: str = "math_verify"
+    """"math_verify": symbolic equivalence (Hugging Face's math-verify), the default;
+    "fast": exact numbers and normalised strings, for integer-answer data (AIME,
+    DAPO-Math-17k). See `rewards/math_reward.py` for what `fast` judges wrong."""
     timeout_s: float | None = 1.0
     type: ClassVar[str] = "math"
     killable: ClassVar[bool] = True
 
-    def build(self) -> RewardFunction:
-        from megatron_rl.rewards.functions import MathReward
-        from megatron_rl.rewards.math_verify import MathVerifierConfig
+    def __post_init__(self) -> None:
+        self.verifier()  # refuses an unknown backend by name, at config time
 
-        verifier = MathVerifierConfig(
+    def verifier(self):
+        from megatron_rl.rewards.math_reward import MathVerifierConfig
+
+        return MathVerifierConfig(
             self.correct_reward,
             self.incorrect_reward,
             self.unparseable_reward,
             self.fallback_last_number,
+            backend=self.backend,
         )
-        return MathReward(self.display_name, verifier, self.timeout_s)
+
+    def build(self) -> RewardFunction:
+        from megatron_rl.rewards.functions import MathReward
+
+        return MathReward(self.display_name, self.verifier(), self.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,17 @@ import importlib
 from collections.abc import Callable
 
 from megatron_rl.rewards.base import RewardFunction, RewardInput
-from megatron_rl.rewards.math_verify import MathVerifierConfig, math_reward
+from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 
 
 class MathReward(RewardFunction):
     def __init__(self, name: str, config: MathVerifierConfig, timeout_s: float | None):
         super().__init__(name, timeout_s)
         self.config = config
+        if config.backend == "math_verify":
+            from megatron_rl.rewards.math_symbolic import warm_up
+
+            warm_up()
 
     def score_one(self, sample: RewardInput) -> float:
         return math_reward(sample.response, sample.label, self.config)

@@ -17,7 +17,7 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from megatron_rl.rewards.functions import load_callable
-from megatron_rl.rewards.math_verify import math_reward
+from megatron_rl.rewards.math_reward import math_reward
 
 
 def make_scorer(reward: str, batched: bool):

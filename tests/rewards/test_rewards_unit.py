@@ -97,6 +97,20 @@ def test_time_limit_stops_c_code_that_holds_the_gil():
     scorer.close()
 
 
+def test_a_symbolic_answer_that_never_ends_costs_its_sample_only():
+    """math-verify (sympy) on a power tower computes a bignum in C for hours: the default
+    `math` reward's time limit kills its worker; the samples around it are judged."""
+    scorer = RewardScorer([MathRewardConfig(timeout_s=1.0, failure_reward=-2.0)])
+    out = scorer(
+        inputs([r"\boxed{\sqrt{4}}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{3}"], ["2", "1", "4"])
+    )
+    assert out.scores["math"][0] == 1.0 and out.scores["math"][2] == -1.0
+    assert out.rewards[1] == -2.0
+    assert "took longer than 1 s (its worker process was killed)" in out.errors["math"][1]
+    assert scorer.functions[0].restarts == 1
+    scorer.close()
+
+
 def test_a_worker_that_dies_fails_its_sample_only():
     scorer = RewardScorer([python_fn("dies_on_die", timeout_s=5.0)])
     out = scorer(inputs(["ab", "die", "abc"]))

@@ -59,6 +59,22 @@ def test_bench_long_cot_writes_one_result_line(tmp_path):
     assert result["speedup_token_budget_over_padded"] > 0
 
 
+def test_bench_rewards_writes_one_result_line(tmp_path):
+    """Both backends inline and through a 1-worker Ray pool, on 48 MATH-style samples."""
+    from tools.bench_rewards import main
+
+    out = tmp_path / "results.jsonl"
+    main(["--samples", "48", "--batch-size", "24", "--workers", "1", "--out", str(out)])
+    (line,) = out.read_text().splitlines()
+    result = json.loads(line)
+    for arm in ("fast_inline", "fast_ray", "math_verify_inline", "math_verify_ray"):
+        assert result[f"{arm}_samples_per_s"] > 0
+    # symbolic checking finds every right answer right; the fast rules a third of them
+    assert result["math_verify_right_found_right"] == 1.0
+    assert result["fast_right_found_right"] == pytest.approx(1 / 3, abs=0.01)
+    assert result["math_verify_wrong_found_right"] == result["fast_wrong_found_right"] == 0
+
+
 def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     """Both in one process (one vLLM import): the tiny preset, one timed step each."""
     out = tmp_path / "results.jsonl"
