@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -183,6 +184,22 @@ def test_ray_worker_that_cannot_build_its_functions_fails_at_start(ray_session):
         make_scoring_pool(reward("nope"), ScoringPoolConfig(num_workers=1))
 
 
+def wait_until_dead(actor, timeout_s: float = 60.0) -> None:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=5)
+        except RayActorError:
+            return
+        except GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"Ray actor {actor} still answers {timeout_s} s after ray.kill")
+
+
 def test_ray_pool_scores_in_process_once_its_workers_are_gone(ray_session, capsys):
     """`scancel` signals Ray's processes too while the trainer finishes its step to save it:
     scoring must still complete (in the trainer's process), once the workers are gone."""
@@ -198,9 +215,13 @@ def test_ray_pool_scores_in_process_once_its_workers_are_gone(ray_session, capsy
         in_flight = pool.submit(batch)
         for worker in pool.workers:
             ray.kill(worker)  # as a SIGTERM to the worker processes ends them
+        # Scored before the kill landed, or in-process after it: the same rewards.
         assert pool.result(in_flight).scored.rewards == expected
-        assert "the Ray reward workers are gone" in capsys.readouterr().out
+        for worker in pool.workers:  # ray.kill returns before the process is gone
+            wait_until_dead(worker)
         assert pool.result(pool.submit(batch)).scored.rewards == expected  # in-process now
+        assert capsys.readouterr().out.count("the Ray reward workers are gone") == 1
+        assert pool.result(pool.submit(batch)).scored.rewards == expected
         assert "workers are gone" not in capsys.readouterr().out  # said once
     finally:
         pool.close()
