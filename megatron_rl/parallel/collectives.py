@@ -76,14 +76,12 @@ def balance_over_data_parallel(batch: TrainingBatch) -> tuple[TrainingBatch, dic
         return batch, {}
     length = int(data_parallel_max(torch.tensor([batch.seq_length])))
     batch = batch.with_length(length)
-    fields = {
-        name: data_parallel_gather_rows(value)[0]
-        for name, value in vars(batch).items()
-        if value is not None
-    }
+    fields, counts = {}, []
+    for name, value in vars(batch).items():
+        if value is not None:
+            fields[name], counts = data_parallel_gather_rows(value)
     everything = TrainingBatch(**fields)
     lengths = everything.sequence_lengths().tolist()
-    counts = data_parallel_gather_rows(torch.zeros(len(batch)))[1]
     ranks = balanced_assignment(lengths, counts)
     before, start = [], 0
     for c in counts:

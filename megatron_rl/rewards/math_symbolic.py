@@ -1,13 +1,13 @@
 """The `math` reward's default backend: answers judged equal by symbolic equivalence, with
 Hugging Face's math-verify (github.com/huggingface/Math-Verify; used by open-r1, TRL, verl).
 
-The final answer is extracted by the same rules as the fast backend (`math_verify.py`: last
+The final answer is extracted by the same rules as the fast backend (`math_reward.py`: last
 `\\boxed{}`, "answer is", "####", optionally the last number); prediction and label are
 then parsed as LaTeX (or plain expressions) into sympy and compared: numbers, fractions,
 radicals, pi, powers, percent, units, degrees, intervals, tuples, sets, matrices,
 expressions up to algebra (`(x+1)^2` = `x^2+2x+1`), multiple-choice letters (`\\text{(B)}`
-= `B`). A pair the fast rules already find equal is not parsed again (integers: the common
-case); a side that math-verify cannot parse falls back to the fast comparison.
+= `B`). The fast rules go first: a pair they find equal is not parsed (integers, the common
+case), and a pair with a side math-verify cannot parse keeps their verdict.
 
 Timeouts: math-verify's own (SIGALRM) are off, because they work only in a process's main
 thread; the bound is the reward's `timeout_s`, enforced by the killable worker process every
