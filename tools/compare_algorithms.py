@@ -36,7 +36,7 @@ BUDGET = [
     "actor.micro_batch_size=8",
     "actor.ppo_epochs=1",
     "critic.optim.lr=1e-3",
-    "rewards.reward_fns=[{type: math, correct_reward: 1.0, incorrect_reward: -1.0, "
+    "rewards.reward_fns=[{type: math, backend: fast, correct_reward: 1.0, incorrect_reward: -1.0, "
     "unparseable_reward: -1.0}]",
     "trainer.total_steps=20",
     "trainer.eval_data_path=examples/tiny/data/arithmetic_test.jsonl",

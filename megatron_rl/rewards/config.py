@@ -56,7 +56,8 @@ class MathRewardConfig(RewardFnConfig):
     backend: str = "math_verify"
     """"math_verify": symbolic equivalence (Hugging Face's math-verify), the default;
     "fast": exact numbers and normalised strings, for integer-answer data (AIME,
-    DAPO-Math-17k). See `rewards/math_reward.py` for what `fast` judges wrong."""
+    DAPO-Math-17k) and for arithmetic, where math_verify would credit a copied, unevaluated
+    `3 + 4` for 7. See `rewards/math_reward.py` for what `fast` judges wrong."""
     timeout_s: float | None = 1.0
     type: ClassVar[str] = "math"
     killable: ClassVar[bool] = True

@@ -251,3 +251,10 @@ def test_parse_number_is_exact_for_rationals():
 def test_missing_label_is_an_error():
     with pytest.raises(ValueError, match="no label"):
         verify(r"\boxed{1}", None)
+
+
+def test_symbolic_equivalence_credits_an_unevaluated_expression_and_fast_does_not():
+    """Why the arithmetic recipes use `fast`: the question's own sum, boxed, equals its
+    answer symbolically."""
+    assert verify(r"\boxed{3 + 4}", "7").status == "correct"
+    assert verify(r"\boxed{3 + 4}", "7", FAST).status == "incorrect"
