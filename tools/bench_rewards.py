@@ -26,11 +26,11 @@ FORMATS = [
     (r"so the answer is \boxed{{{i}}}", "{i}", True),
     (r"so the answer is \boxed{{{j}}}", "{i}", False),
     (r"\boxed{{\frac{{{i}}}{{{j}}}}}", "{i}/{j}", True),
-    (r"\boxed{{{i}\sqrt{{2}}}}", r"\sqrt{{{i2x2}}}", True),
-    (r"\boxed{{{i}\sqrt{{3}}}}", r"\sqrt{{{i2x2}}}", False),
+    (r"\boxed{{{i}\sqrt{{2}}}}", r"\sqrt{{{two_i2}}}", True),
+    (r"\boxed{{{i}\sqrt{{3}}}}", r"\sqrt{{{two_i2}}}", False),
     (r"\boxed{{\frac{{{i}\pi}}{{2}}}}", r"{i}\pi/2", True),
     (r"\boxed{{{i}^{{2}}}}", "{i2}", True),
-    (r"\boxed{{x^2+{i2x2}x+{i2}}}", "(x+{i})^2", True),
+    (r"\boxed{{x^2+{two_i}x+{i2}}}", "(x+{i})^2", True),
     (r"\boxed{{x^2+{i}x+{i2}}}", "(x+{i})^2", False),
     (r"\boxed{{[{i}, {j})}}", "[{i},{j})", True),
     (
@@ -47,9 +47,7 @@ def samples(n: int) -> tuple[list[RewardInput], list[bool]]:
     for k in range(n):
         response, label, ok = FORMATS[k % len(FORMATS)]
         i = 2 + k // len(FORMATS)
-        values = {"i": i, "j": i + 1, "i2": i * i, "i2x2": 2 * i}
-        if "sqrt" in label:  # i*sqrt(2) = sqrt(2 i^2)
-            values["i2x2"] = 2 * i * i
+        values = {"i": i, "j": i + 1, "i2": i * i, "two_i": 2 * i, "two_i2": 2 * i * i}
         out.append(RewardInput("", "", response.format(**values), label.format(**values)))
         right.append(ok)
     return out, right

@@ -22,10 +22,8 @@ from typing import Any
 
 from megatron_rl.rewards.math_reward import answers_match
 
-
-def _quiet() -> None:
-    # math-verify warns on every call that its own timeouts are off: that is on purpose here.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
+# math-verify warns on every call that its own timeouts are off: that is on purpose here.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 @lru_cache(maxsize=4096)
@@ -34,7 +32,6 @@ def _parsed(text: str) -> tuple:
     nothing parses. Cached: labels repeat over a group's samples."""
     from math_verify import parse
 
-    _quiet()
     return tuple(parse(f"${text}$", parsing_timeout=None))
 
 
@@ -48,7 +45,6 @@ def symbolic_match(prediction: str, label: Any, rel_tol: float = 1e-6) -> bool:
     gold, pred = _parsed(str(label)), _parsed(prediction)
     if not gold or not pred:
         return False
-    _quiet()
     return bool(verify(list(gold), list(pred), timeout_seconds=None))
 
 
