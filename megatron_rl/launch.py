@@ -4,14 +4,16 @@ hard time limit for the tests and the demo.
     python -m megatron_rl.launch [torchrun options] -m megatron_rl.cli.train --config C [k=v ...]
 
 runs torchrun with the same arguments, but a SIGTERM or SIGUSR1 sent to this launcher (a
-container runtime's stop, SLURM's `--signal=B:...`, `kill`) goes to the training workers
-only: they finish the step, save a checkpoint and exit 0, so torchrun and this launcher
-exit 0 too. torchrun signalled itself would stop its workers with a SIGKILL after its
-shutdown timeout (30 s by default) and exit 1; its `--shutdown-timeout` defaults here to
-`SHUTDOWN_TIMEOUT_S`, so a scheduler that signals every process still leaves time to save.
+container runtime's stop, SLURM's `--signal=B:...`, `kill`) becomes a stop request to the
+training workers (`megatron_rl.preemption`: a stop file, not a signal, so a worker still
+starting up cannot die of it): they finish the step, save a checkpoint and exit 0, so
+torchrun and this launcher exit 0 too. torchrun signalled itself would stop its workers
+with a SIGKILL after its shutdown timeout (30 s by default) and exit 1; its
+`--shutdown-timeout` defaults here to `SHUTDOWN_TIMEOUT_S`, so a scheduler that signals
+every process still leaves time to save.
 
-`run_torchrun` is used by the tests and the demo. On a timeout the whole process tree is killed: torchrun
-starts each worker in a session of its own, so killing torchrun's process group alone would
+`run_torchrun` is used by the tests and the demo. On a timeout the whole process tree is
+killed: torchrun starts each worker in a session of its own, so killing torchrun's process group alone would
 orphan hung ranks (and their open stdout would block us forever). On failure the error
 carries torchrun's output, which includes the failing rank's traceback (workers decorate
 their entry with `torch.distributed.elastic.multiprocessing.errors.record`).
@@ -24,12 +26,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.preemption import STOP_FILE_ENV, STOP_SIGNALS, request_stop, stop_file
 
 SHUTDOWN_TIMEOUT_S = 900
 """torchrun's wait between SIGTERM and SIGKILL of its workers: a step and a save of a large run."""
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 """The thread-count variables of OpenMP, MKL and OpenBLAS, read by child processes."""
@@ -141,34 +146,35 @@ def run_torchrun(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """torchrun with `argv`; SIGTERM / SIGUSR1 forwarded to its workers only. Returns
-    torchrun's exit code."""
-    import psutil
+    """torchrun with `argv`; a SIGTERM / SIGUSR1 to this launcher asks the workers to stop
+    (the stop file of `megatron_rl.preemption`). Returns torchrun's exit code."""
+    path = stop_file()
+    own = path is None  # the sbatch script names one (it may exist already); else ours
+    if own:
+        path = Path(tempfile.gettempdir()) / f"megatron_rl-stop-{os.getpid()}"
+        path.unlink(missing_ok=True)
 
+    def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        request_stop(path, f"{name} to the launcher")
+        print(f"launcher: {name}: the workers stop after this step ({path})", flush=True)
+
+    for sig in STOP_SIGNALS:  # first, so that no signal from now on is lost
+        signal.signal(sig, on_signal)
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in args):
         args.insert(0, f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args])
-
-    def to_workers(signum, frame):
-        try:
-            workers = psutil.Process(proc.pid).children()  # torchrun's children are the ranks
-        except psutil.NoSuchProcess:
-            return
-        print(f"launcher: {signal.Signals(signum).name} -> {len(workers)} worker(s)", flush=True)
-        for w in workers:
+    env = {**os.environ, STOP_FILE_ENV: str(path)}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env)
+    try:
+        while True:
             try:
-                w.send_signal(signum)
-            except psutil.NoSuchProcess:
-                pass
-
-    for sig in PREEMPTION_SIGNALS:
-        signal.signal(sig, to_workers)
-    while True:
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it stop its workers
-            continue
+                return proc.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached torchrun too: let it stop its workers
+                continue
+    finally:
+        if own:
+            path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

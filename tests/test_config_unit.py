@@ -44,7 +44,9 @@ def test_overrides_are_typed_and_nested(tmp_path):
     assert str(config.model.precision.params_dtype) == "torch.bfloat16"
     assert config.rewards.reward_fns == (PythonRewardConfig(path="tests.reward_fns:constant"),)
     assert config.rollout.rating.strategy == "dynamic_filtering"
-    assert load_config("examples/tiny/vapo.yaml").rewards.reward_fns[0] == MathRewardConfig(backend="fast")
+    assert load_config("examples/tiny/vapo.yaml").rewards.reward_fns[0] == MathRewardConfig(
+        backend="fast"
+    )
 
 
 def test_vapo_recipe_uses_the_papers_settings():

@@ -1,10 +1,16 @@
 """Distributed tier: the torchrun helper shows the failing rank's traceback and never hangs."""
 
+import re
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 
-from megatron_rl.launch import TorchrunError, run_torchrun
+from megatron_rl.launch import TorchrunError, free_port, kill_tree, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -24,3 +30,32 @@ def test_hung_job_is_killed_at_the_timeout():
         ["pgrep", "-f", "tests.torchrun.misbehave --mode hang"], capture_output=True, text=True
     )
     assert leftover.stdout.strip() == "", "a worker outlived the timeout"
+
+
+def test_a_signal_to_the_launcher_before_its_workers_exist_is_honoured_by_them():
+    """SIGUSR1 to `megatron_rl.launch` as soon as it has started torchrun (whose workers do
+    not exist yet): the request waits in the stop file, the workers find it when they start,
+    nobody dies of the signal, everything exits 0, and the launcher's own file is gone."""
+    cmd = [
+        sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        "-m", "tests.torchrun.misbehave", "--mode", "wait-for-stop",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        launcher = psutil.Process(proc.pid)
+        deadline = time.time() + 30
+        while not launcher.children() and time.time() < deadline:  # handlers are installed
+            time.sleep(0.01)
+        assert not launcher.children()[0].children(), "workers already started: test too slow"
+        proc.send_signal(signal.SIGUSR1)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, output[-4000:]
+    stop_file = re.search(r"launcher: SIGUSR1: the workers stop after this step \((\S+)\)", output)
+    assert stop_file, output[-4000:]
+    for rank in (0, 1):
+        assert f"rank {rank} stops: stop file {stop_file[1]}" in output
+    assert not Path(stop_file[1]).exists()

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from megatron_rl.config import ConfigError, load_config
+from megatron_rl.preemption import STOP
 
 
 def parse_args(argv=None, description: str = __doc__):
@@ -87,6 +88,9 @@ def train(trainer) -> None:
 
 
 def main(argv=None) -> None:
+    # First, before anything slow: a SIGUSR1/SIGTERM from now on asks for a stop instead of
+    # killing the process (during start-up or loading, too).
+    STOP.install()
     config = parse_args(argv)
     from megatron_rl.trainer.runner import RLTrainer
 
@@ -95,6 +99,13 @@ def main(argv=None) -> None:
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
     try:
+        if trainer.stop_requested_anywhere():
+            # asked before the first step (e.g. the scheduler's signal came while loading):
+            # the checkpoint resumed from is still the newest; nothing to save
+            if trainer.ctx.rank == 0:
+                reason = STOP.reason or "on another rank"
+                print(f"stop requested before the first step ({reason}): exiting", flush=True)
+            sys.exit(0)
         if not trainer.value_pretrain_done:
             value_pretrain(trainer)
         train(trainer)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from megatron_rl.cli.train import parse_args, value_pretrain
 from megatron_rl.config import ConfigError
+from megatron_rl.preemption import STOP
 
 
 def main(argv=None) -> None:
+    STOP.install()  # first: a signal while loading asks for a stop, it does not kill
     config = parse_args(argv, __doc__)
     from megatron_rl.trainer.runner import RLTrainer
 

@@ -10,7 +10,6 @@ whitening and loss normalisation use DP-global statistics.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from megatron_rl.parallel.collectives import (
     data_parallel_sum,
     reduce_over_ranks,
 )
+from megatron_rl.preemption import STOP
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
@@ -213,20 +213,16 @@ class RLTrainer:
         self.step = 0
         self.value_pretrain_step = 0
         self.nonfinite_in_a_row = 0
-        self.stop_requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+        STOP.install()  # again: `megatron_rl.cli.train` installs it first thing
         if t.resume:
             self.resume_from_newest()
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _on_signal(self, signum, frame) -> None:
-        # SLURM pre-emption (SIGTERM, or SIGUSR1 from --signal): finish the step, save, exit.
-        self.stop_requested = True
-
     def stop_requested_anywhere(self) -> bool:
-        return any_rank(self.stop_requested)
+        """A stop request (`megatron_rl.preemption`) reached some rank: all finish the step,
+        save and exit together."""
+        return any_rank(STOP.requested)
 
     @property
     def dp_size(self) -> int:

@@ -1,4 +1,5 @@
-"""torchrun worker for the launcher's own tests: fail on one rank, or hang."""
+"""torchrun worker for the launcher's own tests: fail on one rank, hang, or wait for a stop
+request (`megatron_rl.preemption`) and exit 0."""
 
 import argparse
 import time
@@ -6,17 +7,25 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megatron_rl.preemption import STOP
+
 
 @record
 def main():
+    STOP.install()
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["fail-rank-1", "hang"], required=True)
+    p.add_argument("--mode", choices=["fail-rank-1", "hang", "wait-for-stop"], required=True)
     a = p.parse_args()
     torch.distributed.init_process_group("gloo")
     if a.mode == "fail-rank-1" and torch.distributed.get_rank() == 1:
         raise RuntimeError("deliberate failure on rank 1 (launcher test)")
     if a.mode == "hang":
         time.sleep(3600)
+    if a.mode == "wait-for-stop":
+        deadline = time.time() + 120
+        while not STOP.requested and time.time() < deadline:
+            time.sleep(0.1)
+        print(f"rank {torch.distributed.get_rank()} stops: {STOP.reason}", flush=True)
     torch.distributed.barrier()
 
 
