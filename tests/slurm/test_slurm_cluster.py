@@ -62,8 +62,10 @@ class Cluster:
             "PATH": venv_bin + os.pathsep + os.environ["PATH"],
         }
 
-    def run(self, *cmd: str) -> str:
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+    def run(self, *cmd: str, cwd: Path | None = None) -> str:
+        done = subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=60, cwd=cwd
+        )
         assert done.returncode == 0, f"{cmd}: {done.stdout}{done.stderr}"
         return done.stdout
 
@@ -80,8 +82,12 @@ class Cluster:
             "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=1", "--cpus-per-task=2",
             "--time=5", "--signal=B:USR1@60", f"--output={out}/job.out", f"--chdir={REPO}",
             "--export=ALL," + ",".join(f"{k}={v}" for k, v in exports.items()),
-            SCRIPT, f"trainer.output_dir={out}", *overrides,
+            str(REPO / SCRIPT), f"trainer.output_dir={out}", *overrides,
+            cwd=out,  # the submit directory: the script keeps its stop file under it
         ).strip()  # fmt: skip
+
+    def idle(self) -> bool:
+        return set(self.run("sinfo", "-h", "-N", "-o", "%t").split()) == {"idle"}
 
     def job(self, job_id: str) -> dict[str, str]:
         return dict(re.findall(r"(\w+)=(\S*)", self.run("scontrol", "show", "job", "-o", job_id)))
@@ -187,7 +193,12 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
     cluster.wait(
         job_id, out, lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1", "requeued"
     )
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip the hold
+    # Skip SLURM's ~2 min requeue hold, but not the nodes' clean-up of the last start: a
+    # slurmd refuses a start within a second of revoking that job's credential ("Job
+    # credential revoked", the job ends FAILED), so wait for idle nodes and a few seconds.
+    cluster.wait(job_id, out, lambda j: cluster.idle(), "back to idle nodes")
+    time.sleep(3)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     job = cluster.wait(job_id, out, lambda j: j["JobState"] in ("COMPLETED", "FAILED"), "done")
     log = (out / "job.out").read_text()
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-5000:]
@@ -244,3 +255,5 @@ def test_a_signal_before_the_workers_start_is_honoured_and_a_start_without_progr
     assert "made no progress in 1 start(s) in a row (checkpoint still none)" in log
     assert not re.search(r"Traceback|Signals.SIGUSR1", log), log[-5000:]
     assert train_rows(out) == [] and not (out / "checkpoints").exists()
+    stop_file = out / ".megatron_rl" / f"slurm-{job_id}" / "stop"  # under the submit directory
+    assert stop_file.read_text() == "SIGUSR1 to the batch script\n"
