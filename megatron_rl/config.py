@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -222,9 +223,13 @@ class TrainerConfig:
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
     tensorboard: bool = True
     """Also log to output_dir/tensorboard when TensorBoard is installed."""
+    eval_sets: tuple[EvalSetConfig, ...] = ()
+    """Held-out sets, each evaluated before training, every eval_interval steps and at the
+    end: n samples per prompt at its temperature, avg@n and pass@k (`EvalSetConfig`), also
+    in output_dir/eval.jsonl. The first set's avg@n and mean reward are also logged as
+    eval/accuracy and eval/reward_mean, the run's headline numbers."""
     eval_data_path: str | None = None
-    """Held-out prompts (same fields as data): greedy accuracy before training, every
-    eval_interval steps and at the end (metrics eval/accuracy, eval/reward_mean)."""
+    """Shorthand for one greedy set: `eval_sets: [{path: P, n: 1, temperature: 0}]`."""
     eval_interval: int = 0
 
     def __post_init__(self) -> None:
@@ -234,6 +239,58 @@ class TrainerConfig:
         )  # fmt: skip
         if self.overwrite and self.resume:
             raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
+        if self.eval_data_path:
+            if self.eval_sets:
+                raise ValueError("eval_data_path is a shorthand for eval_sets: give one of them")
+            object.__setattr__(self, "eval_sets", (EvalSetConfig(path=self.eval_data_path),))
+            object.__setattr__(self, "eval_data_path", None)  # resolved: said once, as a set
+        names = [s.name for s in self.eval_sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval_sets: names must differ (they name the metrics), got {names}")
+
+
+@dataclass(frozen=True)
+class EvalSetConfig:
+    """One held-out prompt set evaluated during training (verl: `data.val_files` with
+    `rollout.val_kwargs`). Same fields as `data`; metrics `eval/{name}/avg@{n}`,
+    `eval/{name}/pass@{k}`, `eval/{name}/reward_mean`, `eval/{name}/response_length/mean`
+    (`trainer/evaluation.py`), a sample being correct when its reward is > 0."""
+
+    path: str
+    name: str = ""
+    """In the metric names; default: the file's stem."""
+    n: int = 1
+    """Samples per prompt (the VAPO paper's AIME24 avg@32: n 32 at temperature 1.0)."""
+    temperature: float = 0.0
+    """0: greedy (then n must be 1: every sample would be the same)."""
+    top_p: float = 1.0
+    pass_k: tuple[int, ...] = ()
+    """pass@k reported for each k (1 <= k <= n); default: 1 and n."""
+    max_new_tokens: int | None = None
+    """Default: rollout.max_new_tokens."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("eval set: path is required")
+        if not self.name:
+            object.__setattr__(self, "name", Path(self.path).stem)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ValueError(f"eval set name {self.name!r}: use letters, digits, _ . - only")
+        check_at_least(self, n=1, temperature=0.0)
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError(
+                f"eval set {self.name}: n={self.n} at temperature 0 samples the same greedy "
+                "response n times; use n: 1, or a temperature > 0"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"eval set {self.name}: top_p must be in (0, 1], got {self.top_p}")
+        if not self.pass_k:
+            object.__setattr__(self, "pass_k", tuple(sorted({1, self.n})))
+        bad = [k for k in self.pass_k if not 1 <= k <= self.n]
+        if bad:
+            raise ValueError(f"eval set {self.name}: pass_k {bad} outside 1..n={self.n}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"eval set {self.name}: max_new_tokens must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -291,6 +348,9 @@ def _coerce(value: Any, tp, key: str):
     if origin is tuple or tp is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key {key}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: each element an X
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         return tuple(value)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):

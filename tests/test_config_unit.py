@@ -101,6 +101,55 @@ def test_bad_keys_and_values_are_named(override, message):
         load_config("examples/tiny/vapo.yaml", [override])
 
 
+SETS = "trainer.eval_data_path=null"
+
+
+def test_eval_sets_resolve_names_and_pass_k_and_the_shorthand_is_one_greedy_set():
+    shorthand = load_config("examples/tiny/vapo.yaml").trainer
+    (greedy,) = shorthand.eval_sets
+    assert (greedy.name, greedy.n, greedy.temperature, greedy.pass_k) == (
+        "arithmetic_test", 1, 0.0, (1,)
+    )  # fmt: skip
+    assert shorthand.eval_data_path is None  # resolved: said once, as a set
+    sets = load_config(
+        "examples/tiny/vapo.yaml",
+        [
+            SETS,
+            "trainer.eval_sets=[{path: d/aime.jsonl, n: 32, temperature: 1.0}, {path: d/m.jsonl}]",
+        ],
+    ).trainer.eval_sets
+    assert [(s.name, s.n, s.pass_k) for s in sets] == [("aime", 32, (1, 32)), ("m", 1, (1,))]
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        ("[{path: a.jsonl, n: 4}]", r"eval set a: n=4 at temperature 0 samples the same greedy"),
+        ("[{path: a.jsonl, n: 4, temperature: 1, pass_k: [8]}]", r"pass_k \[8\] outside 1..n=4"),
+        ("[{path: a.jsonl, n: 2.5}]", r"trainer.eval_sets\[0\].n: expected int, got 2.5"),
+        (
+            "[{path: a.jsonl, tempreature: 1}]",
+            r"unknown config key 'trainer.eval_sets\[0\].tempreature'",
+        ),
+        ("[{path: x/a.jsonl}, {path: y/a.jsonl}]", r"eval_sets: names must differ .*'a', 'a'"),
+        ("[{path: a.jsonl, name: 'a b'}]", r"eval set name 'a b': use letters"),
+        (
+            "[{name: a}]",
+            r"trainer.eval_sets\[0\]: .*missing 1 required positional argument: 'path'",
+        ),
+        ("[{path: ''}]", r"eval set: path is required"),
+    ],
+)
+def test_bad_eval_sets_are_named(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("examples/tiny/vapo.yaml", [SETS, f"trainer.eval_sets={sets}"])
+
+
+def test_eval_data_path_and_eval_sets_together_are_refused():
+    with pytest.raises(ConfigError, match="eval_data_path is a shorthand for eval_sets"):
+        load_config("examples/tiny/vapo.yaml", ["trainer.eval_sets=[{path: a.jsonl}]"])
+
+
 def config_for(tiny_model_dir, *overrides):
     return load_config("examples/tiny/vapo.yaml", [f"model.path={tiny_model_dir}", *overrides])
 

@@ -212,7 +212,10 @@ def clipped_value_loss(
     if clip_eps is None:
         loss_bt, clipfrac = 0.5 * unclipped, torch.zeros((), dtype=torch.float64)
     else:
-        v_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        # Clamped to [V_old - eps, V_old + eps] directly: V itself wherever it lies inside,
+        # bit for bit, so `clipped > unclipped` (vf_clipfrac) counts only tokens the clip
+        # moved; V_old + clamp(V - V_old) differs from V by rounding and made it count noise.
+        v_clipped = torch.clamp(values, old_values - clip_eps, old_values + clip_eps)
         clipped = (v_clipped - returns).square()
         loss_bt = 0.5 * torch.maximum(unclipped, clipped)
         clipfrac = token_mean(clipped > unclipped, response_mask, global_token_count)

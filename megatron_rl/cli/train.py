@@ -69,11 +69,11 @@ def value_pretrain(trainer) -> None:
 def train(trainer) -> None:
     t = trainer.config.trainer
     total, interval, eval_interval = t.total_steps, t.save_interval, t.eval_interval
-    if trainer.eval_prompts is not None and trainer.step == 0:
+    if trainer.eval_sets and trainer.step == 0:
         trainer.logger.log(0, trainer.evaluate(), "eval")
     while trainer.step < total:
         metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync
-        if trainer.eval_prompts is not None and (
+        if trainer.eval_sets and (
             trainer.step == total or (eval_interval and trainer.step % eval_interval == 0)
         ):
             metrics.update(trainer.evaluate())

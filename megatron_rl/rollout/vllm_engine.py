@@ -207,6 +207,10 @@ class VLLMEngine:
             worker.model_runner.reload_weights(weights_iterator=weights)
 
         self.llm.collective_rpc(reload)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (their KV blocks are reused from now on)."""
         self.llm.reset_prefix_cache()
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -126,7 +126,7 @@ def checkpoint_step(path: Path) -> int:
 def previous_run_files(output_dir: str | Path) -> list[Path]:
     """What an earlier run left in `output_dir` that a new run would mix with its own."""
     out = Path(output_dir)
-    found = [out / "metrics.jsonl"] if (out / "metrics.jsonl").exists() else []
+    found = [out / f for f in ("metrics.jsonl", "eval.jsonl") if (out / f).exists()]
     for root in (out / "checkpoints", out / HF_EXPORTS):
         if root.is_dir():
             found += sorted(p for p in root.iterdir() if STEP_DIR.fullmatch(p.name))
@@ -149,12 +149,12 @@ def save_hf_export(out: Path, write) -> None:
 
 
 def clear_previous_run(output_dir: str | Path) -> None:
-    """`trainer.overwrite`: remove the checkpoints, HF exports, metrics, memory timeline and
-    TensorBoard logs of a run."""
+    """`trainer.overwrite`: remove the checkpoints, HF exports, metrics, evaluations, memory
+    timeline and TensorBoard logs of a run."""
     out = Path(output_dir)
     for d in (out / "checkpoints", out / HF_EXPORTS, out / "tensorboard"):
         shutil.rmtree(d, ignore_errors=True)
-    for f in ("metrics.jsonl", "memory_timeline.jsonl"):
+    for f in ("metrics.jsonl", "eval.jsonl", "memory_timeline.jsonl"):
         (out / f).unlink(missing_ok=True)
 
 

