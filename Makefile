@@ -49,7 +49,7 @@ lock:
 	$(PYTHON) -m venv $(VENV)-lock
 	$(VENV)-lock/bin/pip install --quiet $(PIP_TOOLS)
 	CUSTOM_COMPILE_COMMAND="make lock" $(VENV)-lock/bin/pip-compile pyproject.toml \
-		--extra cpu --extra test --extra demo \
+		--extra cpu --extra test --extra demo --extra logging \
 		--generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
 		--unsafe-package torchvision --unsafe-package torchaudio --unsafe-package torchcodec \
 		--quiet $(LOCK_ARGS) -o $(LOCK)

@@ -30,6 +30,7 @@ from megatron_rl.platform import ParallelLayout
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
+from megatron_rl.trainer.loggers import LOGGERS
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 
@@ -221,8 +222,13 @@ class TrainerConfig:
     None: on with actor.use_dynamic_bsz, where a rank's micro-batches cost its tokens."""
     max_nonfinite_in_a_row: int = 3
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
-    tensorboard: bool = True
-    """Also log to output_dir/tensorboard when TensorBoard is installed."""
+    logger: tuple[str, ...] = ("console", "jsonl")
+    """Where step metrics go, any of console, jsonl, tensorboard, wandb, mlflow (verl's
+    name; `trainer/loggers.py`). output_dir/metrics.jsonl is written whatever the list."""
+    project_name: str = "megatron_rl"
+    """The W&B project / MLflow experiment."""
+    experiment_name: str = ""
+    """The W&B / MLflow run name; default: the output_dir's last part."""
     eval_sets: tuple[EvalSetConfig, ...] = ()
     """Held-out sets, each evaluated before training, every eval_interval steps and at the
     end: n samples per prompt at its temperature, avg@n and pass@k (`EvalSetConfig`), also
@@ -239,6 +245,11 @@ class TrainerConfig:
         )  # fmt: skip
         if self.overwrite and self.resume:
             raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
+        unknown = [name for name in self.logger if name not in LOGGERS]
+        if unknown:
+            raise ValueError(f"logger: {unknown} unknown; choose from {list(LOGGERS)}")
+        if not self.experiment_name:
+            object.__setattr__(self, "experiment_name", Path(self.output_dir).name)
         if self.eval_data_path:
             if self.eval_sets:
                 raise ValueError("eval_data_path is a shorthand for eval_sets: give one of them")

@@ -62,6 +62,8 @@ def test_vapo_recipe_uses_the_papers_settings():
     assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt) == (512, 16)
     assert c.actor.ppo_mini_batch_size == 512 and c.critic.pretrain_steps == 50
     assert not c.use_reference and c.use_critic
+    (aime,) = c.trainer.eval_sets  # the paper reports AIME24 avg@32
+    assert (aime.name, aime.n, aime.temperature) == ("aime24", 32, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -83,6 +85,8 @@ def test_vapo_recipe_uses_the_papers_settings():
             r"model.recompute: recompute granularity='partial'",
         ),
         ("actor", r"override 'actor': expected key=value"),
+        ("trainer.logger=[console, tensorbord]", r"logger: \['tensorbord'\] unknown; choose from"),
+        ("trainer.tensorboard=true", r"unknown config key 'trainer.tensorboard'"),
         ("rollout.temperature=0", r"config section rollout: temperature must be > 0 for RL"),
         ("rollout.top_k=-2", r"rollout: top_k must be 0 or -1 \(off\) or >= 1, got -2"),
         ("rollout.dtype=fp8", r"rollout: dtype must be one of float32, bfloat16, float16"),

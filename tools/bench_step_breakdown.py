@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         args = [
             "--config", a.config, f"model.path={model}", f"trainer.output_dir={out}",
             f"trainer.total_steps={a.steps}", "critic.pretrain_steps=0",
-            "trainer.eval_data_path=null", "trainer.tensorboard=false",
+            "trainer.eval_data_path=null",
         ]  # fmt: skip
         run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=1800)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

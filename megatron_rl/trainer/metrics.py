@@ -1,5 +1,5 @@
 """Step metrics: reduced over ranks, printed as a progress line, appended to metrics.jsonl,
-and written to TensorBoard when it is installed; evaluation results, one row per eval set
+and sent to the `trainer.logger` backends (`trainer/loggers.py`); evaluation results, one row per eval set
 and evaluation, in eval.jsonl."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_rl.trainer.loggers import make_backends
 
 
 def row_position(record: dict) -> tuple[int, float]:
@@ -41,24 +43,60 @@ def rewind_jsonl(path: Path, keep) -> int:
     return len(lines) - len(kept)
 
 
+CONSOLE_KEYS = (
+    "reward/mean",
+    "accuracy",
+    "pg_loss",
+    "critic/value_loss",
+    "critic/explained_variance",
+    "kl",
+    "eval/accuracy",
+)
+"""The few numbers the console shows per step; the rest are in the logs."""
+SUMMARY_KEYS = (
+    "reward/mean", "accuracy", "eval/accuracy", "response_length/mean", "entropy",
+    "critic/explained_variance", "grad_norm", "timing/step_s",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    """What `trainer.logger` and the run's names ask of `MetricsLogger`."""
+
+    loggers: tuple[str, ...] = ("console", "jsonl")
+    project: str = "megatron_rl"
+    run_name: str = "run"
+    config: dict | None = None
+    """The resolved config, logged once by each backend."""
+    step_offset: int = 0
+    """Value-pretraining steps: PPO step s is x = step_offset + s on the backends' one axis."""
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, tensorboard: bool):
+    """Rank 0 logs (`enabled`); metrics.jsonl is always written (resume, `tools/plot_run.py`
+    and the demo read it), the console and the `trainer.logger` backends as configured."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        enabled: bool,
+        settings: LoggerConfig = LoggerConfig(),
+    ):
         self.enabled = enabled
         self.total_steps = total_steps
+        self.settings = settings
+        self.console = "console" in settings.loggers
         self.start = time.time()
-        self.writer = None
+        self.history: list[tuple[str, int, dict]] = []
         if not enabled:
             return
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (kept open for the run)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(self.dir / "tensorboard"))
-            except ImportError:
-                print("metrics: tensorboard is not installed; logging to metrics.jsonl only")
+        self.backends = make_backends(
+            settings.loggers, self.dir, settings.config or {}, settings.run_name, settings.project
+        )
 
     def log(
         self, step: int, metrics: dict[str, float], stage: str = "train", total: int | None = None
@@ -73,32 +111,37 @@ class MetricsLogger:
         record = {"step": step, "stage": stage, **clean}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.writer is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(f"{stage}/{k}", v, step)
+        self.history.append((stage, step, metrics))
+        x = step if stage == "value_pretrain" else self.settings.step_offset + step
+        for backend in self.backends:
+            backend.log(x, metrics, stage)
+        if self.console:
+            self.progress(step, metrics, stage, total or self.total_steps)
+
+    def progress(self, step: int, metrics: dict, stage: str, total: int) -> None:
         elapsed = time.time() - self.start
-        total = total or self.total_steps
         done = min(step / max(total, 1), 1.0)
         bar = "#" * int(20 * done) + "." * (20 - int(20 * done))
-        shown = " ".join(
-            f"{k}={metrics[k]:.4g}"
-            for k in (
-                "reward/mean",
-                "accuracy",
-                "pg_loss",
-                "critic/value_loss",
-                "critic/explained_variance",
-                "kl",
-                "eval/accuracy",
-            )
-            if k in metrics
-        )
-        print(
-            f"[{bar}] {stage} step {step}/{total} {elapsed:.0f}s {shown}",
-            file=sys.stdout,
-            flush=True,
-        )
+        shown = " ".join(f"{k}={metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
+        print(f"[{bar}] {stage} step {step}/{total} {elapsed:.0f}s {shown}", flush=True)
+
+    def summary(self) -> str:
+        """A table of the run's key metrics as this process logged them: first, last, min,
+        max over the steps (eval rows included), and where the full logs are."""
+        rows = []
+        for key in SUMMARY_KEYS:
+            values = [m[key] for stage, _, m in self.history
+                      if stage != "value_pretrain" and isinstance(m.get(key), (int, float))
+                      and math.isfinite(m[key])]  # fmt: skip
+            if values:
+                rows.append((key, values[0], values[-1], min(values), max(values)))
+        if not rows:
+            return ""
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{'metric':<{width}}  {'first':>9}  {'last':>9}  {'min':>9}  {'max':>9}"]
+        lines += [f"{k:<{width}}" + "".join(f"  {v:>9.4g}" for v in vals) for k, *vals in rows]
+        lines.append(f"logs: {self.dir / 'metrics.jsonl'} ({time.time() - self.start:.0f} s)")
+        return "\n".join(lines)
 
     def log_eval(self, step: int, rows: list[dict]) -> None:
         """One eval.jsonl row per eval set: {step, set, n, temperature, prompts, avg@n,
@@ -121,7 +164,10 @@ class MetricsLogger:
         return dropped
 
     def close(self) -> None:
-        if self.enabled:
-            self.file.close()
-            if self.writer is not None:
-                self.writer.close()
+        if not self.enabled:
+            return
+        self.file.close()
+        for backend in self.backends:
+            backend.close()
+        if self.console and self.history:
+            print(self.summary(), flush=True)

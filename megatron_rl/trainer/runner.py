@@ -53,7 +53,7 @@ from megatron_rl.trainer.experience import (
     micro_batching,
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
-from megatron_rl.trainer.metrics import MetricsLogger
+from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": 3}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
@@ -206,7 +206,18 @@ class RLTrainer:
             t.keep_last,
             layout={k: getattr(layout, k) for k in sizes},
         )
-        self.logger = MetricsLogger(t.output_dir, t.total_steps, self.ctx.rank == 0, t.tensorboard)
+        self.logger = MetricsLogger(
+            t.output_dir,
+            t.total_steps,
+            self.ctx.rank == 0,
+            LoggerConfig(
+                loggers=t.logger,
+                project=t.project_name,
+                run_name=t.experiment_name,
+                config=to_dict(c),
+                step_offset=c.critic.pretrain_steps if c.use_critic else 0,
+            ),
+        )
         self.memory = MemoryTimeline(
             Path(t.output_dir) / MEMORY_TIMELINE if self.ctx.rank == 0 else None,
             lambda: "+".join(sorted(self.engine.awake)) or "asleep",

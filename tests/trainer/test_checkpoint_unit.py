@@ -134,7 +134,7 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
     ]
     assert [row_position(r) for r in rows] == [(0, 1), (0, 2), (1, 0.5), (1, 1), (1, 2), (1, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
+    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True)
     assert logger.rewind((1, 1)) == 2  # resumed after PPO step 1: steps 2 and 3 are redone
     logger.log(2, {"reward/mean": 0.5})
     logger.close()
@@ -146,7 +146,7 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
         ("train", 1),
         ("train", 2),
     ]
-    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True, tensorboard=False)
+    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True)
     assert logger.rewind((1, 0)) == 3  # resumed at step 0: the step-0 eval runs again
     logger.close()
 

@@ -41,6 +41,7 @@ def vapo_overrides(model_dir, data_path) -> list[str]:
         f"{{path: {data_path}, name: sampled, n: 4, temperature: 1.0, pass_k: [1, 2, 4]}}]",
         "trainer.eval_data_path=null",
         "trainer.eval_interval=2",
+        "trainer.logger=[console, jsonl, tensorboard]",
         "rollout.temperature=0.7",
         f"model.path={model_dir}",
         f"data.path={data_path}",
@@ -130,6 +131,24 @@ def test_eval_sets_report_avg_at_n_and_pass_at_k_over_every_prompt(vapo_run, lab
     assert step2["eval/sampled/pass@4"] == pytest.approx(good)
     assert step2["eval/accuracy"] == step2["eval/greedy/avg@1"]  # the first set: the headline
     assert "eval/greedy/avg@1" in metrics(vapo_run, "eval")[0]  # before training, step 0
+
+
+def test_tensorboard_gets_both_stages_on_one_axis_and_the_resolved_config(vapo_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(vapo_run / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    pretrain = [e.step for e in events.Scalars("value_pretrain/critic/explained_variance")]
+    assert pretrain == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("reward/mean")] == [5, 6, 7, 8]  # after pretraining
+    assert [e.step for e in events.Scalars("eval/sampled/pass@4")] == [4, 6, 8]
+    reward = [e.value for e in events.Scalars("reward/mean")]
+    assert reward == pytest.approx([r["reward/mean"] for r in metrics(vapo_run)])
+    (text,) = events.Tensors("config/text_summary")
+    config = yaml.safe_load(text.tensor_proto.string_val[0].decode().strip("`\n"))
+    assert (
+        config["trainer"]["output_dir"] == str(vapo_run) and config["critic"]["pretrain_steps"] == 4
+    )
 
 
 def measured(record: dict) -> dict:
