@@ -89,7 +89,7 @@ def main(argv=None) -> None:
             "model": str(a.model) if model == Path(a.model) else "fresh tiny random",
             "steps_measured": len(train) - 1,
             "mean_response_length": round(
-                statistics.mean(r["response_length/mean"] for r in train[1:]), 2
+                statistics.mean(r["rollout/response_length/mean"] for r in train[1:]), 2
             ),
             **breakdown(train[1:]),
         },

@@ -19,17 +19,18 @@ from pathlib import Path
 PHASES = ("generate_s", "score_s", "experience_s", "train_s", "sync_s")
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     # (title, stage, [(metric, line style)])
-    ("reward and accuracy", "train", [("reward/mean", "-"), ("accuracy", "--"),
+    ("reward and accuracy", "train", [("rollout/reward/mean", "-"), ("rollout/accuracy", "--"),
                                       ("eval/accuracy", "o")]),
-    ("response length", "train", [("response_length/mean", "-"), ("response_length/max", "--")]),
-    ("entropy", "train", [("entropy", "-")]),
-    ("KL", "train", [("kl", "-"), ("ppo_kl", "--")]),
-    ("clip fraction", "train", [("pg_clipfrac", "-"), ("critic/vf_clipfrac", "--")]),
-    ("value pretraining", "value_pretrain", [("critic/explained_variance", "-"),
-                                             ("critic/value_loss", "--")]),
-    ("explained variance", "train", [("critic/explained_variance", "-")]),
-    ("grad norm", "train", [("grad_norm", "-"), ("critic/grad_norm", "--")]),
-    ("throughput (tokens/s)", "train", [("tokens_per_s", "-")]),
+    ("response length", "train", [("rollout/response_length/mean", "-"),
+                                  ("rollout/response_length/max", "--")]),
+    ("entropy", "train", [("actor/entropy", "-")]),
+    ("KL", "train", [("actor/reward_kl", "-"), ("actor/ppo_kl", "--"), ("actor/kl_loss", ":")]),
+    ("clip fraction", "train", [("actor/pg_clipfrac", "-"), ("critic/vf_clipfrac", "--")]),
+    ("value pretraining", "value_pretrain", [("critic/vf_explained_var", "-"),
+                                             ("critic/vf_loss", "--")]),
+    ("explained variance", "train", [("critic/vf_explained_var", "-")]),
+    ("grad norm", "train", [("actor/grad_norm", "-"), ("critic/grad_norm", "--")]),
+    ("throughput (tokens/s)", "train", [("perf/tokens_per_s", "-")]),
 ]  # fmt: skip
 
 

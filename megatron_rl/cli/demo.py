@@ -158,7 +158,7 @@ def read_curves(metrics_file: Path) -> dict:
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
-    return {"reward": {r["step"]: r["reward/mean"] for r in train}, "eval": evals}
+    return {"reward": {r["step"]: r["rollout/reward/mean"] for r in train}, "eval": evals}
 
 
 def plot_curves(curves: dict[int, dict], png: Path, title: str) -> None:

@@ -43,7 +43,7 @@ def value_pretrain(trainer) -> None:
             trainer.config.critic.pretrain_steps,
         )
         threshold = trainer.config.critic.pretrain_ev_threshold
-        if threshold is not None and metrics.get("critic/explained_variance", -1e9) >= threshold:
+        if threshold is not None and metrics.get("critic/vf_explained_var", -1e9) >= threshold:
             trainer.value_pretrain_step = trainer.config.critic.pretrain_steps  # converged
         if trainer.stop_requested_anywhere():
             trainer.save()
@@ -54,7 +54,7 @@ def value_pretrain(trainer) -> None:
             and not trainer.value_pretrain_done
         ):
             trainer.save()
-    ev = metrics.get("critic/explained_variance")
+    ev = metrics.get("critic/vf_explained_var")
     floor = trainer.config.critic.pretrain_ev_warn_below
     if ev is not None and not ev >= floor and trainer.logger.enabled:  # NaN warns too
         print(

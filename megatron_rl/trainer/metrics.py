@@ -43,19 +43,64 @@ def rewind_jsonl(path: Path, keep) -> int:
     return len(lines) - len(kept)
 
 
+ACTOR_KEYS = (
+    "pg_loss", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_lower",
+    "ppo_kl", "entropy", "nll_loss", "kl_loss", "grad_norm", "micro_batches",
+    "skipped_nonfinite", "update_ok", "num_updates", "skipped_update",
+)  # fmt: skip
+RENAMED = {
+    **{key: f"actor/{key}" for key in ACTOR_KEYS},
+    "kl": "actor/reward_kl",
+    "critic/value_loss": "critic/vf_loss",
+    "critic/explained_variance": "critic/vf_explained_var",
+    "advantages_mean": "algorithm/advantages/mean",
+    "returns_mean": "algorithm/returns/mean",
+    "values_mean": "critic/values/mean",
+    "lambda_policy_mean": "algorithm/lambda_policy/mean",
+    "lambda_policy_min": "algorithm/lambda_policy/min",
+    "accuracy": "rollout/accuracy",
+    "logprob_gap_max": "rollout/logprob_gap/max",
+    "logprob_gap_mean": "rollout/logprob_gap/mean",
+    "tokens_per_s": "perf/tokens_per_s",
+    "dp_tokens_max_over_mean": "perf/dp_tokens_max_over_mean",
+    "dp_tokens_max_over_mean_before": "perf/dp_tokens_max_over_mean_before",
+}
+PREFIXED = (("reward/", "rollout/reward/"), ("response_length/", "rollout/response_length/"))
+
+
+def peer_name(key: str) -> str:
+    """The name a step metric is logged under, in the convention of verl and OpenRLHF:
+    `actor/...` (policy loss, clip fractions, entropy, grad norm), `critic/...` (`vf_loss`,
+    `vf_explained_var`, values: only with a critic), `algorithm/...` (advantages, returns,
+    the policy's GAE lambda), `rollout/...` (reward, accuracy,
+    response length, generation), `timing/...`, `perf/...` (throughput), `memory/...`,
+    `eval/...`. The trainer's parts compute under short names; the step row is renamed once,
+    here."""
+    if key in RENAMED:
+        return RENAMED[key]
+    for old, new in PREFIXED:
+        if key.startswith(old):
+            return new + key.removeprefix(old)
+    return key
+
+
+def peer_names(metrics: dict[str, float]) -> dict[str, float]:
+    return {peer_name(k): v for k, v in metrics.items()}
+
+
 CONSOLE_KEYS = (
-    "reward/mean",
-    "accuracy",
-    "pg_loss",
-    "critic/value_loss",
-    "critic/explained_variance",
-    "kl",
+    "rollout/reward/mean",
+    "rollout/accuracy",
+    "actor/pg_loss",
+    "critic/vf_loss",
+    "critic/vf_explained_var",
+    "actor/reward_kl",
     "eval/accuracy",
 )
 """The few numbers the console shows per step; the rest are in the logs."""
 SUMMARY_KEYS = (
-    "reward/mean", "accuracy", "eval/accuracy", "response_length/mean", "entropy",
-    "critic/explained_variance", "grad_norm", "timing/step_s",
+    "rollout/reward/mean", "rollout/accuracy", "eval/accuracy", "rollout/response_length/mean",
+    "actor/entropy", "critic/vf_explained_var", "actor/grad_norm", "timing/step_s",
 )  # fmt: skip
 
 

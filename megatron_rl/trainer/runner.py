@@ -53,7 +53,7 @@ from megatron_rl.trainer.experience import (
     micro_batching,
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
-from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
+from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger, peer_names
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": 3}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
@@ -341,7 +341,7 @@ class RLTrainer:
             self.step += 1
             metrics["skipped_update"] = 1.0
             metrics.update(self.memory.end_step(self.step, "train"))
-            return reduce_over_ranks(metrics)
+            return peer_names(reduce_over_ranks(metrics))
         t1 = time.perf_counter()
         self.engine.sleep(level=2)  # its weights come back with the sync below
         with self.memory.phase("experience"):
@@ -381,7 +381,7 @@ class RLTrainer:
         )
         self.step += 1
         metrics.update(self.memory.end_step(self.step, "train"))
-        return reduce_over_ranks(metrics)
+        return peer_names(reduce_over_ranks(metrics))
 
     def value_pretrain_step_once(self) -> dict[str, float]:
         """VC-PPO/VAPO value pretraining: policy frozen, critic regresses lambda = 1
@@ -392,14 +392,14 @@ class RLTrainer:
         if not groups:
             self.value_pretrain_step += 1
             metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
-            return reduce_over_ranks({**metrics, "skipped_update": 1.0})
+            return peer_names(reduce_over_ranks({**metrics, "skipped_update": 1.0}))
         self.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
         with self.memory.phase("train"):
             metrics.update(self._value_pretrain_update(groups, step))
         self.engine.wake_up()
         self.value_pretrain_step += 1
         metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
-        return reduce_over_ranks(metrics)
+        return peer_names(reduce_over_ranks(metrics))
 
     def _value_pretrain_update(self, groups, step: int) -> dict[str, float]:
         c = self.config

@@ -8,10 +8,10 @@ from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
 def write_metrics(path, accuracies: dict[int, float]) -> None:
     """One record per step as `metrics.jsonl` has them: a value-pretraining line, the step-0
     eval line, then train lines, with `eval/accuracy` on the steps that evaluated."""
-    lines = [{"stage": "value_pretrain", "step": 1, "reward/mean": -0.5}]
+    lines = [{"stage": "value_pretrain", "step": 1, "rollout/reward/mean": -0.5}]
     lines.append({"stage": "eval", "step": 0, "eval/accuracy": accuracies[0]})
     for step in range(1, max(accuracies) + 1):
-        record = {"stage": "train", "step": step, "reward/mean": step / 10}
+        record = {"stage": "train", "step": step, "rollout/reward/mean": step / 10}
         if step in accuracies:
             record["eval/accuracy"] = accuracies[step]
         lines.append(record)

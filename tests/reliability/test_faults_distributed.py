@@ -68,7 +68,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
         "actor", "config.yaml", "rng", "trainer_state.json"
     ]  # fmt: skip
     assert "launcher: SIGTERM: the workers stop after this step" in output
-    timeouts = sum(r.get("reward/python/failures", 0.0) for r in records)
+    timeouts = sum(r.get("rollout/reward/python/failures", 0.0) for r in records)
     assert timeouts > 0, "no response hit the C hang: the test exercised nothing"
     calls = (tmp_path / "calls.txt").read_text().split()
     assert set(calls) == {"0"}, "a sample was scored on the other TP rank too"

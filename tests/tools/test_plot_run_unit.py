@@ -14,16 +14,17 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def write_run(path, steps: int = 4, critic: bool = True):
     rows = []
     if critic:
-        rows += [{"step": s, "stage": "value_pretrain", "critic/explained_variance": 0.1 * s,
-                  "critic/value_loss": 1.0 / s} for s in (1, 2)]  # fmt: skip
+        rows += [{"step": s, "stage": "value_pretrain", "critic/vf_explained_var": 0.1 * s,
+                  "critic/vf_loss": 1.0 / s} for s in (1, 2)]  # fmt: skip
     rows.append({"step": 0, "stage": "eval", "eval/accuracy": 0.2})
     for s in range(1, steps + 1):
-        row = {"step": s, "stage": "train", "reward/mean": -1 + 0.3 * s, "accuracy": 0.1 * s,
-               "response_length/mean": 9.0 + s, "entropy": 1.0 / s, "kl": 0.01 * s,
-               "pg_clipfrac": 0.02, "grad_norm": 1.5, "tokens_per_s": 900.0,
+        row = {"step": s, "stage": "train", "rollout/reward/mean": -1 + 0.3 * s,
+               "rollout/accuracy": 0.1 * s, "rollout/response_length/mean": 9.0 + s,
+               "actor/entropy": 1.0 / s, "actor/reward_kl": 0.01 * s, "actor/pg_clipfrac": 0.02,
+               "actor/grad_norm": 1.5, "perf/tokens_per_s": 900.0,
                "timing/generate_s": 0.1, "timing/train_s": 0.3, "timing/sync_s": 0.05}  # fmt: skip
         if critic:
-            row["critic/explained_variance"] = None if s == 1 else 0.2  # NaN is logged as null
+            row["critic/vf_explained_var"] = None if s == 1 else 0.2  # NaN is logged as null
         if s % 2 == 0:
             row["eval/accuracy"] = 0.2 + 0.1 * s
         rows.append(row)

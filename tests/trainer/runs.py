@@ -81,7 +81,7 @@ def finite(record: dict) -> bool:
     return all(
         v is not None and math.isfinite(v)
         for k, v in record.items()
-        if k not in ("step", "stage", "critic/explained_variance")
+        if k not in ("step", "stage", "critic/vf_explained_var")
     )
 
 

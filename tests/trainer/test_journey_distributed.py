@@ -79,7 +79,7 @@ def test_the_run_starts_from_the_converted_checkpoint(journey):
     records = metrics(run)
     # vLLM started from random weights (a Megatron checkpoint has no HF ones) and took the
     # actor's before the first rollout: its log-probs are the trainer's from step 1 on.
-    assert records[0]["logprob_gap_max"] < 1e-4, records[0]
+    assert records[0]["rollout/logprob_gap/max"] < 1e-4, records[0]
     assert len(metrics(run, "value_pretrain")) == 2
     assert "saved Hugging Face model" in first
 
@@ -99,7 +99,7 @@ def test_sigterm_saves_a_complete_checkpoint_and_the_resume_at_another_layout_co
     assert f"resumed from {interrupted} (step {state['step']})" in second
     records = metrics(run)
     assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
-    assert all(finite(r) for r in records) and records[-1]["logprob_gap_max"] < 1e-4
+    assert all(finite(r) for r in records) and records[-1]["rollout/logprob_gap/max"] < 1e-4
     final = root / (root / "latest").read_text()
     assert json.loads((final / "trainer_state.json").read_text())["step"] == TOTAL_STEPS
     saved_layout = json.loads((final / "actor" / "megatron_rl.json").read_text())["saved_layout"]

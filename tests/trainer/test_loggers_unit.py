@@ -16,18 +16,26 @@ from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
 
 CONFIG = {"algorithm": {"estimator": "gae", "lambda_critic": 1.0}, "trainer": {"seed": 3}}
 ROWS = [  # (step, metrics, stage): two value-pretraining steps, the evaluation before
-    (1, {"critic/value_loss": 0.5}, "value_pretrain"),  # training, two PPO steps
-    (2, {"critic/value_loss": 0.25}, "value_pretrain"),
+    (1, {"critic/vf_loss": 0.5}, "value_pretrain"),  # training, two PPO steps
+    (2, {"critic/vf_loss": 0.25}, "value_pretrain"),
     (0, {"eval/accuracy": 0.1, "eval/test/pass@4": 0.3}, "eval"),
-    (1, {"reward/mean": -0.5, "accuracy": 0.2, "critic/explained_variance": float("nan")}, "train"),
-    (2, {"reward/mean": 0.5, "accuracy": 0.4, "eval/accuracy": 0.6}, "train"),
+    (
+        1,
+        {
+            "rollout/reward/mean": -0.5,
+            "rollout/accuracy": 0.2,
+            "critic/vf_explained_var": float("nan"),
+        },
+        "train",
+    ),
+    (2, {"rollout/reward/mean": 0.5, "rollout/accuracy": 0.4, "eval/accuracy": 0.6}, "train"),
 ]
 EXPECTED = {  # name on the backends -> [(x, value)]: PPO step s at x = 2 + s
-    "value_pretrain/critic/value_loss": [(1, 0.5), (2, 0.25)],
+    "value_pretrain/critic/vf_loss": [(1, 0.5), (2, 0.25)],
     "eval/accuracy": [(2, 0.1), (4, 0.6)],
     "eval/test/pass@4": [(2, 0.3)],
-    "reward/mean": [(3, -0.5), (4, 0.5)],
-    "accuracy": [(3, 0.2), (4, 0.4)],
+    "rollout/reward/mean": [(3, -0.5), (4, 0.5)],
+    "rollout/accuracy": [(3, 0.2), (4, 0.4)],
 }
 
 
@@ -56,7 +64,7 @@ def logged(tmp_path_factory):
 def test_metrics_jsonl_holds_every_row_with_nan_as_null(logged):
     rows = [json.loads(line) for line in (logged / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["stage"]) for r in rows] == [(s, st) for s, _, st in ROWS]
-    assert rows[3]["critic/explained_variance"] is None
+    assert rows[3]["critic/vf_explained_var"] is None
 
 
 def test_tensorboard_events_hold_every_finite_metric_and_the_config(logged):
@@ -67,7 +75,7 @@ def test_tensorboard_events_hold_every_finite_metric_and_the_config(logged):
     for name, points in EXPECTED.items():
         got = [(e.step, pytest.approx(e.value)) for e in events.Scalars(name)]
         assert got == points, name
-    assert "critic/explained_variance" not in events.Tags()["scalars"]  # NaN is not drawn
+    assert "critic/vf_explained_var" not in events.Tags()["scalars"]  # NaN is not drawn
     (text,) = events.Tensors("config/text_summary")
     assert yaml.safe_load(text.tensor_proto.string_val[0].decode().strip("`\n")) == CONFIG
 
@@ -138,7 +146,7 @@ def test_console_prints_a_summary_table_at_the_end(tmp_path, capsys):
     logger.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines[-5].split() == ["metric", "first", "last", "min", "max"]
-    assert lines[-4].split() == ["reward/mean", "-0.5", "0.5", "-0.5", "0.5"]
+    assert lines[-4].split() == ["rollout/reward/mean", "-0.5", "0.5", "-0.5", "0.5"]
     assert lines[-2].split() == ["eval/accuracy", "0.1", "0.6", "0.1", "0.6"]
     assert lines[-1].startswith(f"logs: {tmp_path / 'metrics.jsonl'}")
 
@@ -147,3 +155,19 @@ def test_a_logger_whose_package_is_missing_is_named(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RuntimeError, match=r"trainer.logger 'wandb': wandb is not installed"):
         MetricsLogger(tmp_path, 2, True, LoggerConfig(loggers=("console", "wandb")))
+
+
+def test_step_metrics_take_the_peers_names_and_unknown_ones_pass_unchanged():
+    from megatron_rl.trainer.metrics import peer_names
+
+    row = {
+        "pg_loss": 1.0, "critic/explained_variance": 0.5, "critic/value_loss": 0.2,
+        "reward/math/mean": 0.3, "response_length/mean": 9.0, "accuracy": 0.4,
+        "tokens_per_s": 900.0, "timing/step_s": 2.0, "rollout_corr/kl": 0.0, "eval/accuracy": 0.5,
+    }  # fmt: skip
+    assert peer_names(row) == {
+        "actor/pg_loss": 1.0, "critic/vf_explained_var": 0.5, "critic/vf_loss": 0.2,
+        "rollout/reward/math/mean": 0.3, "rollout/response_length/mean": 9.0,
+        "rollout/accuracy": 0.4, "perf/tokens_per_s": 900.0, "timing/step_s": 2.0,
+        "rollout_corr/kl": 0.0, "eval/accuracy": 0.5,
+    }  # fmt: skip

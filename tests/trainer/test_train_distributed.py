@@ -63,7 +63,7 @@ def vapo_run(tiny_model_dir, labelled_prompts, tmp_path_factory):
 
 def test_value_pretraining_raises_explained_variance_with_the_policy_frozen(vapo_run):
     records = metrics(vapo_run, "value_pretrain")
-    ev = [r["critic/explained_variance"] for r in records]
+    ev = [r["critic/vf_explained_var"] for r in records]
     assert len(ev) == 4 and ev[-1] > ev[0] + 0.3 and ev[-1] > 0.5, ev
     first, last = checkpoint(vapo_run, 1), checkpoint(vapo_run, 4)
     assert same_weights(first["actor"], last["actor"])  # the policy is frozen
@@ -75,7 +75,7 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(finite(r) for r in records), records
     # engine = actor after each sync, at T = 0.7: both are softmax(logits / T)
-    assert all(r["logprob_gap_max"] < 1e-4 for r in records)
+    assert all(r["rollout/logprob_gap/max"] < 1e-4 for r in records)
     assert all(r["rollout_corr/rollout_is_mean"] == pytest.approx(1, abs=1e-4) for r in records)
     # vLLM sleeps while Megatron trains, wakes its weights for the sync, then its KV cache.
     timeline = [
@@ -138,12 +138,17 @@ def test_tensorboard_gets_both_stages_on_one_axis_and_the_resolved_config(vapo_r
 
     events = EventAccumulator(str(vapo_run / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
-    pretrain = [e.step for e in events.Scalars("value_pretrain/critic/explained_variance")]
+    pretrain = [e.step for e in events.Scalars("value_pretrain/critic/vf_explained_var")]
     assert pretrain == [1, 2, 3, 4]
-    assert [e.step for e in events.Scalars("reward/mean")] == [5, 6, 7, 8]  # after pretraining
+    assert [e.step for e in events.Scalars("rollout/reward/mean")] == [
+        5,
+        6,
+        7,
+        8,
+    ]  # after pretraining
     assert [e.step for e in events.Scalars("eval/sampled/pass@4")] == [4, 6, 8]
-    reward = [e.value for e in events.Scalars("reward/mean")]
-    assert reward == pytest.approx([r["reward/mean"] for r in metrics(vapo_run)])
+    reward = [e.value for e in events.Scalars("rollout/reward/mean")]
+    assert reward == pytest.approx([r["rollout/reward/mean"] for r in metrics(vapo_run)])
     (text,) = events.Tensors("config/text_summary")
     config = yaml.safe_load(text.tensor_proto.string_val[0].decode().strip("`\n"))
     assert (
@@ -156,7 +161,7 @@ def measured(record: dict) -> dict:
     return {
         k: v
         for k, v in record.items()
-        if not k.startswith(("timing/", "memory/")) and k != "tokens_per_s"
+        if not k.startswith(("timing/", "memory/")) and k != "perf/tokens_per_s"
     }
 
 
@@ -253,16 +258,16 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
     assert [r["step"] for r in records] == [1, 2] and all(finite(r) for r in records), records
     if extra is BF16_ROLLOUT_CORRECTED:
         for r in records:
-            assert r["logprob_gap_mean"] > 1e-4  # bf16 rollout: the mismatch is seen ...
+            assert r["rollout/logprob_gap/mean"] > 1e-4  # bf16 rollout: the mismatch is seen ...
             assert 0 < r["rollout_corr/rollout_rs_masked_fraction"] < 1  # ... tokens dropped
             assert 0 < r["rollout_corr/rollout_is_clipped_fraction"] < 1  # ... weights capped
             assert r["rollout_corr/rollout_is_eff_sample_size"] < 1
             assert r["rollout_corr/kl"] != 0
     if "actor.use_dynamic_bsz=true" in extra:  # the budget, not micro_batch_size (1), split
-        assert all(r["micro_batches"] == r["critic/micro_batches"] == 2 for r in records)
+        assert all(r["actor/micro_batches"] == r["critic/micro_batches"] == 2 for r in records)
         # trainer.balance_batch follows use_dynamic_bsz: the ranks' token counts were evened
         assert all(
-            1 <= r["dp_tokens_max_over_mean"] <= r["dp_tokens_max_over_mean_before"]
+            1 <= r["perf/dp_tokens_max_over_mean"] <= r["perf/dp_tokens_max_over_mean_before"]
             for r in records
         )
     first, last = checkpoint(out, 1), checkpoint(out, 2)
