@@ -25,8 +25,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def tag(stage: str, key: str) -> str:
-    """The name a metric is logged under: train metrics as they are (`reward/mean`,
-    `eval/...`), another stage's under its name (`value_pretrain/critic/value_loss`)."""
+    """The name a metric is logged under: train metrics as they are (`rollout/reward/mean`,
+    `eval/...`), another stage's under its name (`value_pretrain/critic/vf_loss`)."""
     return key if stage in ("train", "eval") else f"{stage}/{key}"
 
 
@@ -39,7 +39,7 @@ def finite_numbers(metrics: dict) -> dict[str, float]:
 
 
 class TensorBoardBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str):
+    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
@@ -114,20 +114,18 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return out
 
 
+BACKENDS = {"tensorboard": TensorBoardBackend, "wandb": WandbBackend, "mlflow": MlflowBackend}
+
+
 def make_backends(names, output_dir: Path, config: dict, run_name: str, project: str) -> list:
     """The backends of `trainer.logger` beyond console and jsonl. A backend whose package is
     missing is an error naming it (nothing is silently not logged)."""
     made = []
     for name in names:
-        if name in ("console", "jsonl"):
+        if name not in BACKENDS:  # console, jsonl: MetricsLogger's own
             continue
         try:
-            if name == "tensorboard":
-                made.append(TensorBoardBackend(output_dir, config, run_name))
-            elif name == "wandb":
-                made.append(WandbBackend(output_dir, config, run_name, project))
-            elif name == "mlflow":
-                made.append(MlflowBackend(output_dir, config, run_name, project))
+            made.append(BACKENDS[name](output_dir, config, run_name, project))
         except ImportError as e:
             raise RuntimeError(
                 f"trainer.logger {name!r}: {e.name or e} is not installed "

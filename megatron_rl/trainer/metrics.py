@@ -1,6 +1,7 @@
-"""Step metrics: reduced over ranks, printed as a progress line, appended to metrics.jsonl,
-and sent to the `trainer.logger` backends (`trainer/loggers.py`); evaluation results, one row per eval set
-and evaluation, in eval.jsonl."""
+"""Step metrics: reduced over ranks, renamed to the peers' convention (`peer_name`), printed
+as a progress line, appended to metrics.jsonl and sent to the `trainer.logger` backends
+(`trainer/loggers.py`); evaluation results, one row per eval set and evaluation, in
+eval.jsonl."""
 
 from __future__ import annotations
 
