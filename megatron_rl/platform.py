@@ -157,7 +157,12 @@ def initialize(
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:
+            from megatron_rl.launch import free_port
+
+            # a lone process (a warm start, a tool) takes a free port: two at once on one
+            # host met on a fixed one (EADDRINUSE)
+            os.environ["MASTER_PORT"] = str(free_port() if world_size == 1 else 29500)
         torch.distributed.init_process_group(
             backend=backend,
             rank=rank,

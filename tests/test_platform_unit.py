@@ -86,3 +86,30 @@ def test_cpu_compat_maps_cuda_factories_only_inside_megatron_schedules():
     # Outside the wrapped calls, "cuda" still means CUDA (and fails here): nothing global.
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
+
+
+def test_two_lone_processes_on_one_host_initialise_at_once(tmp_path):
+    """A process outside torchrun (a warm start, a tool) picks a free rendezvous port: two at
+    once both held the fixed 29500 before (EADDRINUSE)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; from pathlib import Path; from megatron_rl import platform; "
+        "platform.initialize(platform.ParallelLayout()); Path(sys.argv[1]).touch(); "
+        "[time.sleep(0.1) for _ in range(600) if len(list(Path(sys.argv[1]).parent.iterdir())) < 2]; "
+        "platform.destroy()"
+    )  # each holds its process group until both are up
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / f"up{i}")],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors

@@ -1,7 +1,7 @@
 """Benchmark: where one RL step of the tiny demo goes (generate / score / experience / train /
 weight sync), from the trainer's own timers.
 
-    python -m tools.bench step_breakdown [--model runs/demo/tiny-sft --steps 5]
+    python -m tools.bench step_breakdown [--model runs/demo/tiny-sft-sums --steps 5]
 
 Runs `examples/tiny/vapo.yaml` (2 torchrun ranks, TP=2, real vLLM, the math reward) for
 --steps PPO steps without value pretraining or evaluation, reads `metrics.jsonl`, and reports
@@ -56,7 +56,7 @@ def breakdown(records: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="runs/demo/tiny-sft")
+    p.add_argument("--model", default="runs/demo/tiny-sft-sums")
     p.add_argument("--config", default="examples/tiny/vapo.yaml")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="bench/results.jsonl")

@@ -1,13 +1,14 @@
 """VAPO against the field on the demo's task: one warm start, one budget, several seeds.
 
-    python -m tools.compare_algorithms [--variants vapo,ppo,grpo,dapo,rloo,reinforce_pp]
-        [--ablations] [--seeds 0,1,2] [--ablation-seeds SEEDS] [--dir runs/compare]
-        [--out docs/compare_algorithms]
+    python -m tools.compare_algorithms [--task chains|sums]
+        [--variants vapo,ppo,grpo,dapo,rloo,reinforce_pp] [--ablations] [--seeds 0,1,2]
+        [--ablation-seeds SEEDS] [--dir runs/compare-TASK] [--out docs/compare_algorithms_TASK]
 
-Every variant starts from the demo's warm start (`megatron_rl.cli.sft`, 80 steps) and gets the
-demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one PPO epoch in
-mini-batches of 64, TP=2, math reward +1/-1, held-out greedy accuracy every 5 steps); what
-makes each algorithm itself comes from its recipe plus the overrides in VARIANTS. With
+Every variant starts from the demo's warm start for the task (`megatron_rl.cli.demo.TASKS`)
+and gets the demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one
+PPO epoch in mini-batches of 64, TP=2, math reward +1/-1, held-out greedy accuracy every 5
+steps) on the task's data (TASK_DATA); what makes each algorithm itself comes from its
+recipe plus the overrides in VARIANTS (VAPO's recipe is the task's, for its alpha). With
 `--ablations`, VAPO is also run without each of its pieces (ABLATIONS, as in the paper's
 Table 2). Writes OUT.md (a table: final accuracy mean +- std over seeds, the first eval step
 at >= 0.6 per seed, wall time per run) and OUT.png (mean held-out accuracy per variant).
@@ -16,21 +17,21 @@ at >= 0.6 per seed, wall time per run) and OUT.png (mean held-out accuracy per v
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
 
-from megatron_rl.cli.demo import ensure_tiny_model, read_curves, run_rl, warm_start
+from megatron_rl.cli.demo import TASKS, ensure_tiny_model, read_curves, run_rl, warm_start
+from megatron_rl.config import load_config, to_dict
 
-TARGET = 0.6
-"""Held-out accuracy for the "steps to reach" column."""
+TARGET = {"chains": 0.5, "sums": 0.6}
+"""Held-out accuracy (`eval/accuracy`) for the "steps to reach" column, per task."""
 
 BUDGET = [
     "parallel.tensor_model_parallel_size=2",
-    "data.path=examples/tiny/data/arithmetic_train.jsonl",
     "rollout.rollout_batch_size=16",
     "rollout.n_samples_per_prompt=8",
-    "rollout.max_new_tokens=16",
     "actor.optim.lr=1e-4",
     "actor.ppo_mini_batch_size=64",
     "actor.micro_batch_size=8",
@@ -39,10 +40,22 @@ BUDGET = [
     "rewards.reward_fns=[{type: math, backend: fast, correct_reward: 1.0, incorrect_reward: -1.0, "
     "unparseable_reward: -1.0}]",
     "trainer.total_steps=20",
-    "trainer.eval_data_path=examples/tiny/data/arithmetic_test.jsonl",
     "trainer.eval_interval=5",
     "trainer.deterministic=true",
 ]
+
+
+def task_overrides(task: str) -> list[str]:
+    """The task's data and response budget, read from its VAPO recipe (which VAPO variants
+    run: its alpha suits the task's lengths)."""
+    c = to_dict(load_config(TASKS[task].recipe))
+    return [
+        f"data.path={c['data']['path']}",
+        "trainer.eval_data_path=null",  # a recipe's shorthand gives way to the sets
+        f"trainer.eval_sets={json.dumps(c['trainer']['eval_sets'])}",  # YAML reads JSON
+        f"rollout.max_new_tokens={c['rollout']['max_new_tokens']}",
+    ]
+
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     # value pretraining, decoupled + length-adaptive GAE, clip-higher, token-level loss,
@@ -80,11 +93,20 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def summarise(name: str, runs: dict[int, dict], seconds: dict[int, float]) -> dict:
+def variant_run(task: str, variant: str) -> tuple[str, list[str]]:
+    """The recipe file and the overrides a variant (or ablation) runs with on a task."""
+    recipe, overrides = {**VARIANTS, **ABLATIONS}[variant]
+    path = TASKS[task].recipe if recipe == "vapo" else f"examples/tiny/{recipe}.yaml"
+    return path, [*BUDGET, *task_overrides(task), *overrides]
+
+
+def summarise(
+    name: str, runs: dict[int, dict], seconds: dict[int, float], target: float = TARGET["sums"]
+) -> dict:
     """One table row from the per-seed `read_curves` results and wall times."""
     final = [c["eval"][max(c["eval"])] for c in runs.values()]
     reach = {
-        seed: next((step for step, acc in sorted(c["eval"].items()) if acc >= TARGET), None)
+        seed: next((step for step, acc in sorted(c["eval"].items()) if acc >= target), None)
         for seed, c in runs.items()
     }
     return {
@@ -96,13 +118,14 @@ def summarise(name: str, runs: dict[int, dict], seconds: dict[int, float]) -> di
         "final": final,
         "steps_to_target": reach,
         "seconds_per_run": statistics.mean(seconds.values()),
+        "target": target,
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         f"| variant | seeds | accuracy before | final accuracy, mean +- std | per seed "
-        f"| first eval step at >= {TARGET} | wall time per run |",
+        f"| first eval step at >= {rows[0]['target']} | wall time per run |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -140,41 +163,46 @@ def plot(curves: dict[str, dict[int, dict]], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="chains")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ablations", action="store_true", help="also VAPO without each piece")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--ablation-seeds", default=None, help="default: --seeds")
-    p.add_argument("--dir", type=Path, default=Path("runs/compare"))
-    p.add_argument("--out", type=Path, default=Path("docs/compare_algorithms"))
+    p.add_argument("--dir", type=Path, default=None, help="default: runs/compare-TASK")
+    p.add_argument("--out", type=Path, default=None, help="default: docs/compare_algorithms_TASK")
     a = p.parse_args(argv)
     unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
 
-    model = ensure_tiny_model(a.dir / "tiny-qwen2")
-    sft = a.dir / "tiny-sft"
-    warm_start(model, sft, steps=80, threads=1)
+    task = TASKS[a.task]
+    run_dir = a.dir or Path(f"runs/compare-{a.task}")
+    out_base = a.out or Path(f"docs/compare_algorithms_{a.task}")
+    model = ensure_tiny_model(run_dir / "tiny-qwen2")
+    sft = run_dir / "tiny-sft"
+    warm_start(model, sft, task, threads=1)
 
-    plan = [(v, *VARIANTS[v], a.seeds) for v in a.variants.split(",")]
+    plan = [(v, a.seeds) for v in a.variants.split(",")]
     if a.ablations:
-        plan += [(name, *spec, a.ablation_seeds or a.seeds) for name, spec in ABLATIONS.items()]
+        plan += [(name, a.ablation_seeds or a.seeds) for name in ABLATIONS]
     curves, rows = {}, []
-    for name, recipe, overrides, seeds in plan:
+    for name, seeds in plan:
+        recipe, overrides = variant_run(a.task, name)
         runs, seconds = {}, {}
         for seed in (int(s) for s in seeds.split(",")):
-            out = a.dir / f"{name.replace(' ', '_').replace('/', '')}-seed{seed}"
+            out = run_dir / f"{name.replace(' ', '_').replace('/', '')}-seed{seed}"
             t0 = time.time()
-            run_rl(f"examples/tiny/{recipe}.yaml", sft, out, seed, [*BUDGET, *overrides], False)
+            run_rl(recipe, sft, out, seed, overrides, False)
             seconds[seed] = time.time() - t0
             runs[seed] = read_curves(out / "metrics.jsonl")
             evals = " ".join(f"{k}:{v:.2f}" for k, v in runs[seed]["eval"].items())
             print(f"{name} seed {seed}: {evals} ({seconds[seed]:.0f} s)", flush=True)
         curves[name] = runs
-        rows.append(summarise(name, runs, seconds))
+        rows.append(summarise(name, runs, seconds, TARGET[a.task]))
     table = markdown_table(rows)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".md").write_text(table + "\n")
-    plot(curves, a.out.with_suffix(".png"))
+    out_base.parent.mkdir(parents=True, exist_ok=True)
+    out_base.with_suffix(".md").write_text(table + "\n")
+    plot(curves, out_base.with_suffix(".png"))
     print(table)
 
 

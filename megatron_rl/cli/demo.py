@@ -1,17 +1,23 @@
-"""`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 5 minutes).
+"""`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 9 minutes).
 
 1. build the tiny random Qwen2 checkpoint (HF format) if it is not there yet;
-2. supervised warm start on single-digit sums (`megatron_rl.cli.sft`, 80 steps): the model
-   learns the answer format and about a fifth of the answers. Short on purpose: longer
-   supervised training is chaotic (the accuracy it ends at differs between CPUs' kernels by
-   up to 0.5), 80 steps end at 0.20-0.22 on every kernel set measured;
-3. for each seed (`--seeds 0,1,2`): VAPO (`examples/tiny/vapo.yaml` under torchrun, TP=2):
-   value pretraining, then 20 PPO steps with the math verifier's +1/-1 reward; greedy
-   accuracy on the held-out file before training and every 5 steps;
+2. supervised warm start on the task's worked solutions (`megatron_rl.cli.sft`): the format
+   and an imperfect procedure, not every answer;
+3. for each seed (`--seeds 0,1,2`): VAPO (the task's recipe under torchrun, TP=2): value
+   pretraining, then 20 PPO steps with the math verifier's +1/-1 reward; accuracy on the
+   held-out file before training and every 5 steps (`eval/accuracy`: the recipe's first
+   eval set; for `chains` avg@4 at temperature 1, as the paper reports AIME avg@32);
 4. `runs/demo/reward_curve.png`: train reward and held-out accuracy per seed;
 5. a table of accuracy before/after per seed; exit 1 unless every seed gained at least
    `--min-gain` (0.25): the claim is a gain with a margin on every seed, not a number to the
    digit, because CPU kernels round differently from machine to machine.
+
+Tasks (`--task`, TASKS): `chains` (the default), worked sums whose responses are 20-60
+tokens ("37+6=38+5=...=43+0. The answer is \\boxed{43}.": one wrong step makes the answer
+wrong), what VAPO's length-adaptive GAE is for; `sums`, the earlier single-digit sums
+answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer supervised
+training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
+0.5).
 
 `--smoke` runs the older stack check instead: a Megatron TP=2 forward/backward against
 Hugging Face, and a vLLM generation.
@@ -27,12 +33,50 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DIR = Path("runs/demo")
 MIN_GAIN = 0.25
 """Held-out accuracy every seed must gain for the demo to pass: a margin well above what
 machine-to-machine differences in CPU rounding move a run by."""
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """A task of the demo: its RL recipe and its supervised warm start."""
+
+    recipe: str
+    sft_data: str
+    sft_steps: int
+    sft_label_key: str
+    """The column the warm start's response template fills in."""
+    response_template: str
+    title: str
+    accuracy: str
+    """What `eval/accuracy` is in the task's recipe."""
+
+
+TASKS = {
+    "chains": DemoTask(
+        recipe="examples/tiny/vapo_chains.yaml",
+        sft_data="examples/tiny/data/sum_chains_train.jsonl",
+        sft_steps=150,
+        sft_label_key="solution",
+        response_template="{answer}",
+        title="worked sums, 20-60 token responses",
+        accuracy="avg@4 at T=1",
+    ),
+    "sums": DemoTask(
+        recipe="examples/tiny/vapo.yaml",
+        sft_data="examples/tiny/data/arithmetic_train.jsonl",
+        sft_steps=80,
+        sft_label_key="answer",
+        response_template="The answer is \\boxed{{{answer}}}.",
+        title="single-digit sums",
+        accuracy="greedy",
+    ),
+}
 
 
 def ensure_tiny_model(path: Path) -> Path:
@@ -122,13 +166,15 @@ def smoke(model_dir: Path, n: int) -> None:
     print("smoke run OK")
 
 
-def warm_start(model_dir: Path, out: Path, steps: int, threads: int) -> None:
+def warm_start(
+    model_dir: Path, out: Path, task: DemoTask, threads: int, steps: int | None = None
+) -> None:
     subprocess.run(
         [
             sys.executable, "-m", "megatron_rl.cli.sft", "--model", str(model_dir),
-            "--data", "examples/tiny/data/arithmetic_train.jsonl", "--out", str(out),
-            "--steps", str(steps), "--lr", "2e-3", "--batch-size", "32",
-            "--threads", str(threads),
+            "--data", task.sft_data, "--out", str(out), "--steps", str(steps or task.sft_steps),
+            "--lr", "2e-3", "--batch-size", "32", "--threads", str(threads),
+            "--label-key", task.sft_label_key, "--response-template", task.response_template,
         ],
         check=True,
     )  # fmt: skip
@@ -153,7 +199,8 @@ def run_rl(
 
 
 def read_curves(metrics_file: Path) -> dict:
-    """Per step: train reward mean, and held-out greedy accuracy where it was evaluated."""
+    """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
+    evaluated."""
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
@@ -161,7 +208,7 @@ def read_curves(metrics_file: Path) -> dict:
     return {"reward": {r["step"]: r["rollout/reward/mean"] for r in train}, "eval": evals}
 
 
-def plot_curves(curves: dict[int, dict], png: Path, title: str) -> None:
+def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,7 +220,7 @@ def plot_curves(curves: dict[int, dict], png: Path, title: str) -> None:
         left.plot(list(c["reward"]), list(c["reward"].values()), color=line.get_color(),
                   label=f"seed {seed}")  # fmt: skip
     left.set_title("train reward mean (+1/-1, sampled at T=1)")
-    right.set_title("held-out accuracy (greedy)")
+    right.set_title(f"held-out accuracy ({accuracy})")
     for ax, (lo, hi) in ((left, (-1.05, 1.05)), (right, (-0.02, 1.02))):
         ax.set_xlabel("PPO step (after value pretraining)")
         ax.set_ylim(lo, hi)
@@ -206,8 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--smoke", action="store_true", help="only the stack check")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (--smoke)")
-    p.add_argument("--sft-steps", type=int, default=80)
-    p.add_argument("--recipe", default="examples/tiny/vapo.yaml")
+    p.add_argument("--task", choices=sorted(TASKS), default="chains")
+    p.add_argument("--sft-steps", type=int, default=None, help="default: the task's")
+    p.add_argument("--recipe", default=None, help="default: the task's VAPO recipe")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument(
         "--min-gain", type=float, default=MIN_GAIN, help="held-out accuracy gain every seed needs"
@@ -227,22 +275,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[1/5] tiny Qwen2 checkpoint: {model_dir}", flush=True)
     if a.smoke:
         return smoke(model_dir, a.n)
-    sft_dir = a.dir / "tiny-sft"
-    warm_start(model_dir, sft_dir, a.sft_steps, a.threads)
-    print(f"[2/5] supervised warm start ({a.sft_steps} steps): {sft_dir}", flush=True)
-    name = Path(a.recipe).stem
+    task = TASKS[a.task]
+    recipe = a.recipe or task.recipe
+    sft_dir = a.dir / f"tiny-sft-{a.task}"
+    warm_start(model_dir, sft_dir, task, a.threads, a.sft_steps)
+    print(f"[2/5] supervised warm start ({a.sft_steps or task.sft_steps} steps): {sft_dir}",
+          flush=True)  # fmt: skip
+    name = Path(recipe).stem
     curves = {}
     for seed in seeds:
         run_dir = a.dir / f"{name}-seed{seed}"
-        run_rl(a.recipe, sft_dir, run_dir, seed)
+        run_rl(recipe, sft_dir, run_dir, seed)
         curves[seed] = read_curves(run_dir / "metrics.jsonl")
         print(f"[3/5] {name} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)
     png = a.dir / "reward_curve.png"
-    title = f"Tiny {name} on single-digit sums (2 CPU ranks, TP=2), seeds {a.seeds}"
-    plot_curves(curves, png, title)
+    title = f"Tiny {name} on {task.title} (2 CPU ranks, TP=2), seeds {a.seeds}"
+    plot_curves(curves, png, title, task.accuracy)
     print(f"[4/5] reward and accuracy curves: {png}", flush=True)
     table, failing = gain_table(curves, a.min_gain)
-    print(f"[5/5] held-out greedy accuracy per seed ({time.time() - t0:.0f} s in all, "
+    print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
     if failing:
         raise SystemExit(

@@ -1,9 +1,12 @@
 """Supervised warm start: teach the policy the answer format before RL (the tiny demo).
 
     python -m megatron_rl.cli.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
-        --lr 1e-3 --batch-size 16 --response-template 'The answer is \\boxed{{{answer}}}.']
+        --lr 1e-3 --batch-size 16 --response-template 'The answer is \\boxed{{{answer}}}.'
+        --label-key answer]
 
-Gold responses are the template filled with each row's label, closed by the tokenizer's EOS.
+Gold responses are the template filled with each row's `--label-key` column, closed by the
+tokenizer's EOS (`--label-key solution --response-template '{answer}'`: the column is the
+whole worked response).
 The loss is the actor's positive-sample NLL with every sample positive and zero advantages,
 i.e. the token-mean NLL of the responses (prompt tokens excluded). One process (world size 1,
 TP=1); the result is an HF checkpoint (weights + the input's config and tokenizer), written
@@ -30,6 +33,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--response-template", default="The answer is \\boxed{{{answer}}}.")
+    p.add_argument("--label-key", default="answer", help="the column the template fills in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (fixed on purpose)")
     a = p.parse_args(argv)
@@ -52,7 +56,7 @@ def main(argv=None) -> None:
     platform.pin_threads(a.threads)
     platform.initialize(layout, arch=arch, seed=a.seed, deterministic=True)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    dataset = load_prompts(PromptDataConfig(path=a.data), tokenizer)
+    dataset = load_prompts(PromptDataConfig(path=a.data, label_key=a.label_key), tokenizer)
     actor = Actor(arch, layout, a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0))
     loss = PolicyLossConfig(nll_coef=1.0)
     sampler = PromptSampler(len(dataset), seed=a.seed)

@@ -1,6 +1,7 @@
 """The demo's pass rule and curves, on metrics files written the way the trainer writes them."""
 
 import json
+from pathlib import Path
 
 from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
 
@@ -36,5 +37,26 @@ def test_plot_is_written_as_png_into_a_new_directory(tmp_path):
     write_metrics(tmp_path / "m.jsonl", {0: 0.1, 5: 0.4})
     curves = {0: read_curves(tmp_path / "m.jsonl"), 1: read_curves(tmp_path / "m.jsonl")}
     png = tmp_path / "out" / "curves.png"
-    plot_curves(curves, png, "title")
+    plot_curves(curves, png, "title", "greedy")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_worked_sums_files_are_the_generators_and_their_solutions_earn_the_reward(tmp_path):
+    import runpy
+
+    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
+
+    data = Path("examples/tiny/data")
+    runpy.run_path(str(data / "make_sum_chains.py"))["main"](str(tmp_path))
+    for name in ("train", "test"):
+        assert (tmp_path / f"sum_chains_{name}.jsonl").read_text() == (
+            data / f"sum_chains_{name}.jsonl"
+        ).read_text()
+    rows = [json.loads(line) for line in (data / "sum_chains_train.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (data / "sum_chains_test.jsonl").read_text().splitlines()]
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test}  # held out
+    cfg = MathVerifierConfig(backend="fast")
+    for r in rows[:50]:
+        assert math_reward(r["solution"], r["answer"], cfg) == 1.0, r
+    wrong = "37+6=38+5=40+4=41+3=42+2=43+1=44+0. The answer is \\boxed{44}."  # 38 -> 40
+    assert math_reward(wrong, "43", cfg) != 1.0

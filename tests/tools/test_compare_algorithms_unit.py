@@ -2,8 +2,9 @@
 
 import pytest
 
+from megatron_rl.cli.demo import TASKS
 from megatron_rl.config import load_config
-from tools.compare_algorithms import ABLATIONS, BUDGET, VARIANTS, markdown_table, summarise
+from tools.compare_algorithms import ABLATIONS, VARIANTS, markdown_table, summarise, variant_run
 
 
 def test_summary_row_mean_std_and_first_step_at_target():
@@ -21,13 +22,16 @@ def test_summary_row_mean_std_and_first_step_at_target():
     assert "| vapo | 0,1 | 0.20 | 0.60 +- 0.14 | 0.70 / 0.50 | 10 / never | 65 s |" in table
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
 @pytest.mark.parametrize("name", [*VARIANTS, *ABLATIONS])
-def test_every_variant_is_a_valid_config(name, tmp_path):
-    recipe, overrides = {**VARIANTS, **ABLATIONS}[name]
-    config = load_config(
-        f"examples/tiny/{recipe}.yaml", [f"model.path={tmp_path}", *BUDGET, *overrides]
-    )
+def test_every_variant_is_a_valid_config_on_the_tasks_data(task, name, tmp_path):
+    recipe, overrides = variant_run(task, name)
+    config = load_config(recipe, [f"model.path={tmp_path}", *overrides])
     assert (
         config.trainer.total_steps == 20
         and config.rollout.n_samples_per_prompt * (config.rollout.rollout_batch_size) == 128
     )  # the same samples per step for every variant
+    demo = load_config(TASKS[task].recipe)
+    assert config.data.path == demo.data.path
+    assert config.trainer.eval_sets == demo.trainer.eval_sets
+    assert config.rollout.max_new_tokens == demo.rollout.max_new_tokens

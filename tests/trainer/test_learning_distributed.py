@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.cli.demo import read_curves, run_rl, warm_start
+from megatron_rl.cli.demo import TASKS, read_curves, run_rl, warm_start
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +19,7 @@ REFERENCE = Path(__file__).parent / "learning_reference.json"
 def test_vapo_recipe_learns_the_demo_task_like_the_reference(tiny_model_dir, tmp_path):
     ref = json.loads(REFERENCE.read_text())
     sft = tmp_path / "sft"
-    warm_start(tiny_model_dir, sft, steps=80, threads=1)
+    warm_start(tiny_model_dir, sft, TASKS["sums"], threads=1)
     out = tmp_path / "vapo"
     last = max(int(step) for step in ref["eval"])
     overrides = [f"trainer.total_steps={last}", "trainer.eval_interval=5"]
