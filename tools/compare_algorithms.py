@@ -6,12 +6,13 @@
 
 Every variant starts from the demo's warm start for the task (`megatron_rl.cli.demo.TASKS`)
 and gets the demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one
-PPO epoch in mini-batches of 64, TP=2, math reward +1/-1, held-out greedy accuracy every 5
-steps) on the task's data (TASK_DATA); what makes each algorithm itself comes from its
-recipe plus the overrides in VARIANTS (VAPO's recipe is the task's, for its alpha). With
+PPO epoch in mini-batches of 64, TP=2, math reward +1/-1, held-out accuracy every 5 steps)
+on the task's data, response budget and eval sets (task_overrides: `eval/accuracy` is avg@4
+at T=1 for chains, greedy for sums); what makes each algorithm itself comes from its recipe
+plus the overrides in VARIANTS (VAPO's recipe is the task's, for its alpha). With
 `--ablations`, VAPO is also run without each of its pieces (ABLATIONS, as in the paper's
 Table 2). Writes OUT.md (a table: final accuracy mean +- std over seeds, the first eval step
-at >= 0.6 per seed, wall time per run) and OUT.png (mean held-out accuracy per variant).
+at >= TARGET per seed, wall time per run) and OUT.png (mean held-out accuracy per variant).
 """
 
 from __future__ import annotations

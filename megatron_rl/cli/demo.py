@@ -1,4 +1,4 @@
-"""`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 9 minutes).
+"""`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 8 minutes).
 
 1. build the tiny random Qwen2 checkpoint (HF format) if it is not there yet;
 2. supervised warm start on the task's worked solutions (`megatron_rl.cli.sft`): the format
