@@ -140,7 +140,7 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(curves: dict[str, dict[int, dict]], png: Path) -> None:
+def plot(curves: dict[str, dict[int, dict]], png: Path, accuracy: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +153,7 @@ def plot(curves: dict[str, dict[int, dict]], png: Path) -> None:
         style = "--" if name.startswith("vapo w/o") else "o-"
         ax.plot(steps, mean, style, label=f"{name} ({len(runs)} seed{'s' * (len(runs) > 1)})")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out greedy accuracy (mean over seeds)")
+    ax.set_ylabel(f"held-out accuracy, {accuracy} (mean over seeds)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(rows)
     out_base.parent.mkdir(parents=True, exist_ok=True)
     out_base.with_suffix(".md").write_text(table + "\n")
-    plot(curves, out_base.with_suffix(".png"))
+    plot(curves, out_base.with_suffix(".png"), task.accuracy)
     print(table)
 
 
