@@ -101,9 +101,7 @@ def variant_run(task: str, variant: str) -> tuple[str, list[str]]:
     return path, [*BUDGET, *task_overrides(task), *overrides]
 
 
-def summarise(
-    name: str, runs: dict[int, dict], seconds: dict[int, float], target: float = TARGET["sums"]
-) -> dict:
+def summarise(name: str, runs: dict[int, dict], seconds: dict[int, float], target: float) -> dict:
     """One table row from the per-seed `read_curves` results and wall times."""
     final = [c["eval"][max(c["eval"])] for c in runs.values()]
     reach = {

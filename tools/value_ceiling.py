@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data, label_key="solution"), tok)
     rows = [dataset[i] for i in range(min(a.prompts, len(dataset)))]
-    answers = [json.loads(line)["answer"] for line in open(a.data)]  # what the reward checks
+    lines = Path(a.data).read_text().splitlines()
+    answers = [json.loads(line)["answer"] for line in lines]  # what the reward checks
     engine = VLLMEngine(a.model, EngineConfig(seed=a.seed, max_model_len=256))
     sampling = SamplingConfig(n=a.n, temperature=1.0, max_new_tokens=a.max_new_tokens)
     samples = engine.generate([r.prompt_token_ids for r in rows], sampling)

@@ -4,7 +4,14 @@ import pytest
 
 from megatron_rl.cli.demo import TASKS
 from megatron_rl.config import load_config
-from tools.compare_algorithms import ABLATIONS, VARIANTS, markdown_table, summarise, variant_run
+from tools.compare_algorithms import (
+    ABLATIONS,
+    TARGET,
+    VARIANTS,
+    markdown_table,
+    summarise,
+    variant_run,
+)
 
 
 def test_summary_row_mean_std_and_first_step_at_target():
@@ -12,7 +19,7 @@ def test_summary_row_mean_std_and_first_step_at_target():
         0: {"eval": {0: 0.2, 5: 0.55, 10: 0.65, 20: 0.7}},
         1: {"eval": {0: 0.2, 5: 0.3, 10: 0.4, 20: 0.5}},
     }
-    row = summarise("vapo", runs, {0: 60.0, 1: 70.0})
+    row = summarise("vapo", runs, {0: 60.0, 1: 70.0}, TARGET["sums"])
     assert row["final"] == [0.7, 0.5]
     assert row["final_mean"] == pytest.approx(0.6)
     assert row["final_std"] == pytest.approx(0.1414, abs=1e-4)  # sample std of two
