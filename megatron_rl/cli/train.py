@@ -60,7 +60,8 @@ def value_pretrain(trainer) -> None:
         print(
             f"warning: value pretraining ended at explained variance {ev:.3g} < {floor} "
             "(critic.pretrain_ev_warn_below): the critic explains little of the returns; "
-            "more critic.pretrain_steps or a higher critic.optim.lr may help",
+            "more critic.pretrain_steps may help, unless the returns are not predictable "
+            "from a prefix (tools/value_ceiling.py measures the ceiling on worked solutions)",
             flush=True,
         )
     trainer.save()  # the pretrained critic: PPO (or a later run) starts from it

@@ -60,3 +60,20 @@ def test_the_worked_sums_files_are_the_generators_and_their_solutions_earn_the_r
         assert math_reward(r["solution"], r["answer"], cfg) == 1.0, r
     wrong = "37+6=38+5=40+4=41+3=42+2=43+1=44+0. The answer is \\boxed{44}."  # 38 -> 40
     assert math_reward(wrong, "43", cfg) != 1.0
+
+
+def test_swap_first_sums_put_the_small_term_first_in_a_fraction_and_swap_it_back(tmp_path):
+    import runpy
+
+    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
+
+    runpy.run_path("examples/tiny/data/make_sum_chains.py")["main"](str(tmp_path), 0.5)
+    rows = [json.loads(line) for line in (tmp_path / "sum_chains_swap_train.jsonl").open()]
+    default = Path("examples/tiny/data/sum_chains_train.jsonl").read_text().splitlines()
+    assert len(rows) == len(default) and not (tmp_path / "sum_chains_train.jsonl").exists()
+    swapped = [r for r in rows if int(r["prompt"].split()[2]) < 10]  # "What is 6 + 37?"
+    assert 0.4 < len(swapped) / len(rows) < 0.6
+    x, y = swapped[0]["prompt"][8:-1].split(" + ")
+    assert swapped[0]["solution"].startswith(f"{x}+{y}={y}+{x}=")
+    cfg = MathVerifierConfig(backend="fast")
+    assert all(math_reward(r["solution"], r["answer"], cfg) == 1.0 for r in rows)

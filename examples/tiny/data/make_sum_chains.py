@@ -1,7 +1,7 @@
 """Write the demo's worked-sum task: `sum_chains_train.jsonl` (540 rows) and
 `sum_chains_test.jsonl` (100 held-out rows) beside this file.
 
-    python examples/tiny/data/make_sum_chains.py [OUT_DIR]
+    python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--swap-first FRACTION]
 
 "What is 37 + 6?" is worked by moving one unit at a time from the right term to the left,
 until the right one is 0, then the answer is boxed:
@@ -12,33 +12,53 @@ a in [10, 89], b in [2, 9]: responses of 20-60 tokens (one token per digit), eac
 successor and a predecessor; one wrong step makes the boxed answer wrong. Rows carry `prompt`,
 `answer` (the label the reward checks) and `solution` (the worked response the supervised
 warm start imitates). The pairs are split at random (seed 0); none is in both files.
+
+`--swap-first F` writes `sum_chains_swap_{train,test}.jsonl` instead: a fraction F of the
+prompts ask for the small term first ("What is 6 + 37?"), worked by swapping the terms first
+(`6+37=37+6=38+5=...`). A response that does not swap is doomed at its fourth token, so the
+return is predictable early: a task where a critic has something to learn (README, "Not yet
+built"); not the demo, whose policy does not learn the swap in its budget.
 """
 
+import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 
-def solution(a: int, b: int) -> str:
-    steps = "=".join(f"{a + i}+{b - i}" for i in range(b + 1))
-    return f"{steps}. The answer is \\boxed{{{a + b}}}."
+def chain(a: int, b: int) -> str:
+    return "=".join(f"{a + i}+{b - i}" for i in range(b + 1))
 
 
-def main(out_dir: str | None = None) -> None:
+def solution(x: int, y: int) -> str:
+    """The worked response to "What is x + y?": the smaller term counts down."""
+    steps = chain(x, y) if x >= y else f"{x}+{y}={chain(y, x)}"
+    return f"{steps}. The answer is \\boxed{{{x + y}}}."
+
+
+def main(out_dir: str | None = None, swap_first: float = 0.0) -> None:
     pairs = [(a, b) for a in range(10, 90) for b in range(2, 10)]
-    random.Random(0).shuffle(pairs)
+    rng = random.Random(0)
+    rng.shuffle(pairs)  # the default files draw nothing more from it
     here = Path(out_dir or Path(__file__).parent)
+    here.mkdir(parents=True, exist_ok=True)
+    stem = "sum_chains_swap" if swap_first else "sum_chains"
     for name, rows in (("test", pairs[:100]), ("train", pairs[100:])):
-        lines = [
-            json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b),
-                        "solution": solution(a, b)})
-            for a, b in rows
-        ]  # fmt: skip
-        tmp = here / f".sum_chains_{name}.jsonl.tmp"
+        lines = []
+        for a, b in rows:
+            x, y = (b, a) if swap_first and rng.random() < swap_first else (a, b)
+            lines.append(json.dumps({"prompt": f"What is {x} + {y}?", "answer": str(x + y),
+                                     "solution": solution(x, y)}))  # fmt: skip
+        tmp = here / f".{stem}_{name}.jsonl.tmp"
         tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(here / f"sum_chains_{name}.jsonl")
+        tmp.replace(here / f"{stem}_{name}.jsonl")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir", nargs="?")
+    p.add_argument("--swap-first", type=float, default=0.0, metavar="FRACTION")
+    a = p.parse_args()
+    if not 0 <= a.swap_first <= 1:
+        p.error(f"--swap-first {a.swap_first}: expected a fraction in [0, 1]")
+    main(a.out_dir, a.swap_first)
