@@ -68,7 +68,8 @@ def test_swap_first_sums_put_the_small_term_first_in_a_fraction_and_swap_it_back
     from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 
     runpy.run_path("examples/tiny/data/make_sum_chains.py")["main"](str(tmp_path), 0.5)
-    rows = [json.loads(line) for line in (tmp_path / "sum_chains_swap_train.jsonl").open()]
+    lines = (tmp_path / "sum_chains_swap_train.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     default = Path("examples/tiny/data/sum_chains_train.jsonl").read_text().splitlines()
     assert len(rows) == len(default) and not (tmp_path / "sum_chains_train.jsonl").exists()
     swapped = [r for r in rows if int(r["prompt"].split()[2]) < 10]  # "What is 6 + 37?"
