@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
 
 
@@ -78,3 +80,26 @@ def test_swap_first_sums_put_the_small_term_first_in_a_fraction_and_swap_it_back
     assert swapped[0]["solution"].startswith(f"{x}+{y}={y}+{x}=")
     cfg = MathVerifierConfig(backend="fast")
     assert all(math_reward(r["solution"], r["answer"], cfg) == 1.0 for r in rows)
+
+
+def test_long_way_sums_count_the_large_term_down_in_a_fraction_and_never_finish(tmp_path):
+    import runpy
+
+    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
+
+    make = runpy.run_path("examples/tiny/data/make_sum_chains.py")
+    make["main"](str(tmp_path), long_way_frac=0.5)
+    lines = (tmp_path / "sum_chains_longway_train.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    default = [json.loads(line) for line in open("examples/tiny/data/sum_chains_train.jsonl")]
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in default]
+    long = [r for r in rows if "answer is" not in r["solution"]]
+    assert 0.4 < len(long) / len(rows) < 0.6
+    a, b = map(int, long[0]["prompt"][8:-1].split(" + "))
+    assert long[0]["solution"].startswith(f"{a}+{b}={a - 1}+{b + 1}=")
+    assert long[0]["solution"].count("=") == min(make["LONG_WAY_STEPS"], a) - 1
+    assert all(int(r["solution"].split("=")[-1].split("+")[0]) > 0 for r in long)
+    cfg = MathVerifierConfig(backend="fast")
+    assert all(math_reward(r["solution"], r["answer"], cfg) == -1.0 for r in long)
+    with pytest.raises(ValueError, match="--swap-first and --long-way"):
+        make["main"](str(tmp_path), 0.5, 0.5)

@@ -1,7 +1,7 @@
 """Write the demo's worked-sum task: `sum_chains_train.jsonl` (540 rows) and
 `sum_chains_test.jsonl` (100 held-out rows) beside this file.
 
-    python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--swap-first FRACTION]
+    python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--swap-first F | --long-way F]
 
 "What is 37 + 6?" is worked by moving one unit at a time from the right term to the left,
 until the right one is 0, then the answer is boxed:
@@ -13,17 +13,25 @@ successor and a predecessor; one wrong step makes the boxed answer wrong. Rows c
 `answer` (the label the reward checks) and `solution` (the worked response the supervised
 warm start imitates). The pairs are split at random (seed 0); none is in both files.
 
-`--swap-first F` writes `sum_chains_swap_{train,test}.jsonl` instead: a fraction F of the
-prompts ask for the small term first ("What is 6 + 37?"), worked by swapping the terms first
-(`6+37=37+6=38+5=...`). A response that does not swap is doomed at its fourth token, so the
-return is predictable early: a task where a critic has something to learn (README, "Not yet
-built"); not the demo, whose policy does not learn the swap in its budget.
+Two variants where the return is decided early (README, "Not yet built"; not the demo):
+
+- `--swap-first F` writes `sum_chains_swap_{train,test}.jsonl`: a fraction F of the prompts
+  ask for the small term first ("What is 6 + 37?"), worked by swapping the terms first
+  (`6+37=37+6=38+5=...`). A response that does not swap is doomed at its fourth token.
+- `--long-way F` writes `sum_chains_longway_{train,test}.jsonl`: a fraction F of the worked
+  solutions move units the other way, counting the large term down (`37+6=36+7=35+8=...`),
+  cut off after LONG_WAY_STEPS steps with no answer: no 80-token response could finish it.
+  The prompts are the default's; the warm start learns both directions, and which one a
+  response took shows from its first step on.
 """
 
 import argparse
 import json
 import random
 from pathlib import Path
+
+LONG_WAY_STEPS = 12
+"""Steps a long-way solution shows before it is cut off (~65 tokens)."""
 
 
 def chain(a: int, b: int) -> str:
@@ -36,19 +44,30 @@ def solution(x: int, y: int) -> str:
     return f"{steps}. The answer is \\boxed{{{x + y}}}."
 
 
-def main(out_dir: str | None = None, swap_first: float = 0.0) -> None:
+def long_way(a: int, b: int) -> str:
+    """The first LONG_WAY_STEPS steps of counting the large term a down, and no answer; for
+    a <= LONG_WAY_STEPS, the steps before it reaches 0 (the one that would finish)."""
+    return "=".join(f"{a - i}+{b + i}" for i in range(min(LONG_WAY_STEPS, a)))
+
+
+def main(out_dir: str | None = None, swap_first: float = 0.0, long_way_frac: float = 0.0) -> None:
+    if swap_first and long_way_frac:
+        raise ValueError("--swap-first and --long-way: expected one of them, not both")
     pairs = [(a, b) for a in range(10, 90) for b in range(2, 10)]
     rng = random.Random(0)
     rng.shuffle(pairs)  # the default files draw nothing more from it
     here = Path(out_dir or Path(__file__).parent)
     here.mkdir(parents=True, exist_ok=True)
-    stem = "sum_chains_swap" if swap_first else "sum_chains"
+    stem = "sum_chains" + ("_swap" if swap_first else "_longway" if long_way_frac else "")
     for name, rows in (("test", pairs[:100]), ("train", pairs[100:])):
         lines = []
         for a, b in rows:
             x, y = (b, a) if swap_first and rng.random() < swap_first else (a, b)
+            worked = solution(x, y)
+            if long_way_frac and rng.random() < long_way_frac:
+                worked = long_way(a, b)
             lines.append(json.dumps({"prompt": f"What is {x} + {y}?", "answer": str(x + y),
-                                     "solution": solution(x, y)}))  # fmt: skip
+                                     "solution": worked}))  # fmt: skip
         tmp = here / f".{stem}_{name}.jsonl.tmp"
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(here / f"{stem}_{name}.jsonl")
@@ -57,8 +76,11 @@ def main(out_dir: str | None = None, swap_first: float = 0.0) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", nargs="?")
-    p.add_argument("--swap-first", type=float, default=0.0, metavar="FRACTION")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--swap-first", type=float, default=0.0, metavar="F")
+    group.add_argument("--long-way", type=float, default=0.0, metavar="F")
     a = p.parse_args()
-    if not 0 <= a.swap_first <= 1:
-        p.error(f"--swap-first {a.swap_first}: expected a fraction in [0, 1]")
-    main(a.out_dir, a.swap_first)
+    for flag, value in (("--swap-first", a.swap_first), ("--long-way", a.long_way)):
+        if not 0 <= value <= 1:
+            p.error(f"{flag} {value}: expected a fraction in [0, 1]")
+    main(a.out_dir, a.swap_first, a.long_way)
