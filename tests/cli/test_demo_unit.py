@@ -91,8 +91,8 @@ def test_long_way_sums_count_the_large_term_down_in_a_fraction_and_never_finish(
     make["main"](str(tmp_path), long_way_frac=0.5)
     lines = (tmp_path / "sum_chains_longway_train.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    default = [json.loads(line) for line in open("examples/tiny/data/sum_chains_train.jsonl")]
-    assert [r["prompt"] for r in rows] == [r["prompt"] for r in default]
+    default = Path("examples/tiny/data/sum_chains_train.jsonl").read_text().splitlines()
+    assert [r["prompt"] for r in rows] == [json.loads(line)["prompt"] for line in default]
     long = [r for r in rows if "answer is" not in r["solution"]]
     assert 0.4 < len(long) / len(rows) < 0.6
     a, b = map(int, long[0]["prompt"][8:-1].split(" + "))

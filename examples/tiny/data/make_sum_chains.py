@@ -20,7 +20,8 @@ Two variants where the return is decided early (README, "Not yet built"; not the
   (`6+37=37+6=38+5=...`). A response that does not swap is doomed at its fourth token.
 - `--long-way F` writes `sum_chains_longway_{train,test}.jsonl`: a fraction F of the worked
   solutions move units the other way, counting the large term down (`37+6=36+7=35+8=...`),
-  cut off after LONG_WAY_STEPS steps with no answer: no 80-token response could finish it.
+  cut off after LONG_WAY_STEPS steps with no answer (an 80-token response could finish the
+  long way only for a <= 13).
   The prompts are the default's; the warm start learns both directions, and which one a
   response took shows from its first step on.
 """
