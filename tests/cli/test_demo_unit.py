@@ -6,6 +6,20 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
+from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
+
+DATA = Path("examples/tiny/data")
+
+
+def make_sum_chains() -> dict:
+    """The generator script's namespace (it is an example, not a package module)."""
+    import runpy
+
+    return runpy.run_path(str(DATA / "make_sum_chains.py"))
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def write_metrics(path, accuracies: dict[int, float]) -> None:
@@ -44,18 +58,13 @@ def test_plot_is_written_as_png_into_a_new_directory(tmp_path):
 
 
 def test_the_worked_sums_files_are_the_generators_and_their_solutions_earn_the_reward(tmp_path):
-    import runpy
-
-    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
-
-    data = Path("examples/tiny/data")
-    runpy.run_path(str(data / "make_sum_chains.py"))["main"](str(tmp_path))
+    make_sum_chains()["main"](str(tmp_path))
     for name in ("train", "test"):
         assert (tmp_path / f"sum_chains_{name}.jsonl").read_text() == (
-            data / f"sum_chains_{name}.jsonl"
+            DATA / f"sum_chains_{name}.jsonl"
         ).read_text()
-    rows = [json.loads(line) for line in (data / "sum_chains_train.jsonl").read_text().splitlines()]
-    test = [json.loads(line) for line in (data / "sum_chains_test.jsonl").read_text().splitlines()]
+    rows = jsonl(DATA / "sum_chains_train.jsonl")
+    test = jsonl(DATA / "sum_chains_test.jsonl")
     assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test}  # held out
     cfg = MathVerifierConfig(backend="fast")
     for r in rows[:50]:
@@ -65,14 +74,9 @@ def test_the_worked_sums_files_are_the_generators_and_their_solutions_earn_the_r
 
 
 def test_swap_first_sums_put_the_small_term_first_in_a_fraction_and_swap_it_back(tmp_path):
-    import runpy
-
-    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
-
-    runpy.run_path("examples/tiny/data/make_sum_chains.py")["main"](str(tmp_path), 0.5)
-    lines = (tmp_path / "sum_chains_swap_train.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    default = Path("examples/tiny/data/sum_chains_train.jsonl").read_text().splitlines()
+    make_sum_chains()["main"](str(tmp_path), 0.5)
+    rows = jsonl(tmp_path / "sum_chains_swap_train.jsonl")
+    default = jsonl(DATA / "sum_chains_train.jsonl")
     assert len(rows) == len(default) and not (tmp_path / "sum_chains_train.jsonl").exists()
     swapped = [r for r in rows if int(r["prompt"].split()[2]) < 10]  # "What is 6 + 37?"
     assert 0.4 < len(swapped) / len(rows) < 0.6
@@ -83,16 +87,11 @@ def test_swap_first_sums_put_the_small_term_first_in_a_fraction_and_swap_it_back
 
 
 def test_long_way_sums_count_the_large_term_down_in_a_fraction_and_never_finish(tmp_path):
-    import runpy
-
-    from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
-
-    make = runpy.run_path("examples/tiny/data/make_sum_chains.py")
+    make = make_sum_chains()
     make["main"](str(tmp_path), long_way_frac=0.5)
-    lines = (tmp_path / "sum_chains_longway_train.jsonl").read_text().splitlines()
-    rows = [json.loads(line) for line in lines]
-    default = Path("examples/tiny/data/sum_chains_train.jsonl").read_text().splitlines()
-    assert [r["prompt"] for r in rows] == [json.loads(line)["prompt"] for line in default]
+    rows = jsonl(tmp_path / "sum_chains_longway_train.jsonl")
+    default = jsonl(DATA / "sum_chains_train.jsonl")
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in default]
     long = [r for r in rows if "answer is" not in r["solution"]]
     assert 0.4 < len(long) / len(rows) < 0.6
     a, b = map(int, long[0]["prompt"][8:-1].split(" + "))

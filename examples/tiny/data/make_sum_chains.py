@@ -21,9 +21,8 @@ Two variants where the return is decided early (README, "Not yet built"; not the
 - `--long-way F` writes `sum_chains_longway_{train,test}.jsonl`: a fraction F of the worked
   solutions move units the other way, counting the large term down (`37+6=36+7=35+8=...`),
   cut off after LONG_WAY_STEPS steps with no answer (an 80-token response could finish the
-  long way only for a <= 13).
-  The prompts are the default's; the warm start learns both directions, and which one a
-  response took shows from its first step on.
+  long way only for a <= 13). The prompts are the default's; the warm start learns both
+  directions, and which one a response took shows from its first step on.
 """
 
 import argparse
@@ -64,9 +63,8 @@ def main(out_dir: str | None = None, swap_first: float = 0.0, long_way_frac: flo
         lines = []
         for a, b in rows:
             x, y = (b, a) if swap_first and rng.random() < swap_first else (a, b)
-            worked = solution(x, y)
-            if long_way_frac and rng.random() < long_way_frac:
-                worked = long_way(a, b)
+            long = long_way_frac and rng.random() < long_way_frac
+            worked = long_way(a, b) if long else solution(x, y)
             lines.append(json.dumps({"prompt": f"What is {x} + {y}?", "answer": str(x + y),
                                      "solution": worked}))  # fmt: skip
         tmp = here / f".{stem}_{name}.jsonl.tmp"
