@@ -1,6 +1,6 @@
 """How much of the return's variance a critic could explain on a worked-solution task.
 
-    python -m tools.value_ceiling --model runs/demo/tiny-sft-chains \
+    python -m tools.value_ceiling --model runs/demo/tiny-sft-count_on \
         [--data examples/tiny/data/sum_chains_train.jsonl --prompts 128 --n 8]
 
 Samples the policy at temperature 1 as a rollout does, scores each response with the math

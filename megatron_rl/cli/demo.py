@@ -6,15 +6,20 @@
 3. for each seed (`--seeds 0,1,2`): VAPO (the task's recipe under torchrun, TP=2): value
    pretraining, then 20 PPO steps with the math verifier's +1/-1 reward; accuracy on the
    held-out file before training and every 5 steps (`eval/accuracy`: the recipe's first
-   eval set; for `chains` avg@4 at temperature 1, as the paper reports AIME avg@32);
+   eval set; avg@4 at temperature 1, as the paper reports AIME avg@32; greedy for `sums`);
 4. `runs/demo/reward_curve.png`: train reward and held-out accuracy per seed;
-5. a table of accuracy before/after per seed; exit 1 unless every seed gained at least
+5. a table of accuracy before/after and the critic's explained variance at the end of value
+   pretraining per seed (the trainer warns below 0.3); exit 1 unless every seed gained at least
    `--min-gain` (0.25): the claim is a gain with a margin on every seed, not a number to the
    digit, because CPU kernels round differently from machine to machine.
 
-Tasks (`--task`, TASKS): `chains` (the default), worked sums whose responses are 20-60
-tokens ("37+6=38+5=...=43+0. The answer is \\boxed{43}.": one wrong step makes the answer
-wrong), what VAPO's length-adaptive GAE is for; `sums`, the earlier single-digit sums
+Tasks (`--task`, TASKS): `count_on` (the default), sums answered either by counting on
+("37+6=38+5=...=43+0. The answer is \\boxed{43}.") or by counting all from 1 ("1,2,3,...",
+cut off before the answer in the warm start's solutions), 20-62 tokens decided at the first
+one: what value pretraining, lambda_critic = 1 and length-adaptive GAE are for (the critic
+explains 0.5-0.7 of the returns' variance after 10 steps); `chains`, the same sums always
+counted on, where the return hinges on slips spread over the chain (a critic explains ~0 of
+it, the ceiling being 0.32: README, "Not yet built"); `sums`, the earlier single-digit sums
 answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer supervised
 training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
 0.5).
@@ -58,6 +63,15 @@ class DemoTask:
 
 
 TASKS = {
+    "count_on": DemoTask(
+        recipe="examples/tiny/vapo_count_on.yaml",
+        sft_data="examples/tiny/data/sum_chains_countall_train.jsonl",
+        sft_steps=300,
+        sft_label_key="solution",
+        response_template="{answer}",
+        title="count on or count all, 20-62 token responses",
+        accuracy="avg@4 at T=1",
+    ),
     "chains": DemoTask(
         recipe="examples/tiny/vapo_chains.yaml",
         sft_data="examples/tiny/data/sum_chains_train.jsonl",
@@ -200,12 +214,18 @@ def run_rl(
 
 def read_curves(metrics_file: Path) -> dict:
     """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
-    evaluated."""
+    evaluated; and the critic's explained variance at the last value-pretraining step (None
+    without value pretraining)."""
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
-    return {"reward": {r["step"]: r["rollout/reward/mean"] for r in train}, "eval": evals}
+    pretrain = [r for r in records if r["stage"] == "value_pretrain"]
+    return {
+        "reward": {r["step"]: r["rollout/reward/mean"] for r in train},
+        "eval": evals,
+        "pretrain_ev": pretrain[-1].get("critic/vf_explained_var") if pretrain else None,
+    }
 
 
 def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -> None:
@@ -233,8 +253,9 @@ def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -
 
 
 def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]]:
-    """A text table of before/after/gain per seed, and the seeds below `min_gain`."""
-    lines = ["seed  before  after  gain   evals"]
+    """A text table of before/after/gain per seed (and the critic's explained variance at the
+    end of value pretraining), and the seeds below `min_gain`."""
+    lines = ["seed  before  after  gain   pretrain EV  evals"]
     failing = []
     for seed, c in curves.items():
         ev = c["eval"]
@@ -242,7 +263,10 @@ def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]
         if after - before < min_gain:
             failing.append(seed)
         points = " ".join(f"{step}:{acc:.2f}" for step, acc in ev.items())
-        lines.append(f"{seed:>4}  {before:6.2f}  {after:5.2f}  {after - before:+.2f}  {points}")
+        critic_ev = "-" if c["pretrain_ev"] is None else f"{c['pretrain_ev']:.2f}"
+        lines.append(
+            f"{seed:>4}  {before:6.2f}  {after:5.2f}  {after - before:+.2f}  {critic_ev:>11}  {points}"
+        )
     return "\n".join(lines), failing
 
 
@@ -253,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--smoke", action="store_true", help="only the stack check")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (--smoke)")
-    p.add_argument("--task", choices=sorted(TASKS), default="chains")
+    p.add_argument("--task", choices=sorted(TASKS), default="count_on")
     p.add_argument("--sft-steps", type=int, default=None, help="default: the task's")
     p.add_argument("--recipe", default=None, help="default: the task's VAPO recipe")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")

@@ -25,7 +25,9 @@ def jsonl(path: Path) -> list[dict]:
 def write_metrics(path, accuracies: dict[int, float]) -> None:
     """One record per step as `metrics.jsonl` has them: a value-pretraining line, the step-0
     eval line, then train lines, with `eval/accuracy` on the steps that evaluated."""
-    lines = [{"stage": "value_pretrain", "step": 1, "rollout/reward/mean": -0.5}]
+    lines = [
+        {"stage": "value_pretrain", "step": s, "critic/vf_explained_var": s / 10} for s in (1, 2)
+    ]
     lines.append({"stage": "eval", "step": 0, "eval/accuracy": accuracies[0]})
     for step in range(1, max(accuracies) + 1):
         record = {"stage": "train", "step": step, "rollout/reward/mean": step / 10}
@@ -42,10 +44,12 @@ def test_every_seed_must_gain_the_margin_from_first_to_last_eval(tmp_path):
         curves[seed] = read_curves(tmp_path / f"{seed}.jsonl")
     assert curves[0]["eval"] == {0: 0.2, 5: 0.5, 10: 0.62}
     assert list(curves[0]["reward"]) == list(range(1, 11))  # train steps only
+    assert curves[0]["pretrain_ev"] == 0.2  # where value pretraining ended
     table, failing = gain_table(curves, min_gain=0.25)
     # seed 1 peaked at +0.5 but ended at +0.24: the last eval decides, not the best one
     assert failing == [1]
     assert "+0.42" in table and "+0.24" in table
+    assert table.splitlines()[1].split()[:5] == ["0", "0.20", "0.62", "+0.42", "0.20"]
     assert gain_table(curves, min_gain=0.2)[1] == []
 
 
@@ -100,5 +104,30 @@ def test_long_way_sums_count_the_large_term_down_in_a_fraction_and_never_finish(
     assert all(int(r["solution"].split("=")[-1].split("+")[0]) > 0 for r in long)
     cfg = MathVerifierConfig(backend="fast")
     assert all(math_reward(r["solution"], r["answer"], cfg) == -1.0 for r in long)
-    with pytest.raises(ValueError, match="--swap-first and --long-way"):
+    with pytest.raises(ValueError, match="expected one of them at most"):
         make["main"](str(tmp_path), 0.5, 0.5)
+
+
+def test_the_demos_count_all_sums_are_the_generators_and_count_all_never_finishes(tmp_path):
+    make = make_sum_chains()
+    make["main"](str(tmp_path), count_all_frac=0.6)  # as the files' docstring says
+    for name in ("train", "test"):
+        assert (tmp_path / f"sum_chains_countall_{name}.jsonl").read_text() == (
+            DATA / f"sum_chains_countall_{name}.jsonl"
+        ).read_text()
+    rows = jsonl(DATA / "sum_chains_countall_train.jsonl")
+    default = jsonl(DATA / "sum_chains_train.jsonl")
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in default]
+    cfg = MathVerifierConfig(backend="fast")
+    counted = 0
+    for r in rows:
+        a, b = map(int, r["prompt"][8:-1].split(" + "))
+        if r["solution"].startswith("1,2,"):  # counting all: cut off before a + b
+            counted += 1
+            numbers = range(1, min(make["COUNT_ALL_NUMBERS"], a + b - 1) + 1)
+            assert r["solution"] == ",".join(map(str, numbers)), r
+            assert math_reward(r["solution"], r["answer"], cfg) == -1.0, r
+        else:  # counting on, the default file's solution
+            assert r["solution"] == make["solution"](a, b), r
+            assert math_reward(r["solution"], r["answer"], cfg) == 1.0, r
+    assert 0.5 < counted / len(rows) < 0.7

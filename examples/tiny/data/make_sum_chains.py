@@ -1,7 +1,7 @@
 """Write the demo's worked-sum task: `sum_chains_train.jsonl` (540 rows) and
 `sum_chains_test.jsonl` (100 held-out rows) beside this file.
 
-    python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--swap-first F | --long-way F]
+    python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--count-all F | --swap-first F | --long-way F]
 
 "What is 37 + 6?" is worked by moving one unit at a time from the right term to the left,
 until the right one is 0, then the answer is boxed:
@@ -13,7 +13,15 @@ successor and a predecessor; one wrong step makes the boxed answer wrong. Rows c
 `answer` (the label the reward checks) and `solution` (the worked response the supervised
 warm start imitates). The pairs are split at random (seed 0); none is in both files.
 
-Two variants where the return is decided early (README, "Not yet built"; not the demo):
+The demo's task (`make demo`, `--count-all 0.6`) decides the return at the first token:
+
+- `--count-all F` writes `sum_chains_countall_{train,test}.jsonl`: a fraction F of the worked
+  solutions count all from 1 (`1,2,3,...`), as a child does before learning to count on,
+  cut off after COUNT_ALL_NUMBERS numbers (before the sum where it is smaller) with no
+  answer: ~60 tokens that never earn the reward. The prompts are the default's; the warm
+  start learns both ways, and RL must learn to count on.
+
+Two more variants where the return is decided early (README, "Not yet built"):
 
 - `--swap-first F` writes `sum_chains_swap_{train,test}.jsonl`: a fraction F of the prompts
   ask for the small term first ("What is 6 + 37?"), worked by swapping the terms first
@@ -32,6 +40,8 @@ from pathlib import Path
 
 LONG_WAY_STEPS = 12
 """Steps a long-way solution shows before it is cut off (~65 tokens)."""
+COUNT_ALL_NUMBERS = 24
+"""Numbers a count-all solution shows before it is cut off (62 tokens)."""
 
 
 def chain(a: int, b: int) -> str:
@@ -50,21 +60,37 @@ def long_way(a: int, b: int) -> str:
     return "=".join(f"{a - i}+{b + i}" for i in range(min(LONG_WAY_STEPS, a)))
 
 
-def main(out_dir: str | None = None, swap_first: float = 0.0, long_way_frac: float = 0.0) -> None:
-    if swap_first and long_way_frac:
-        raise ValueError("--swap-first and --long-way: expected one of them, not both")
+def count_all(a: int, b: int) -> str:
+    """Counting from 1 up to COUNT_ALL_NUMBERS, or to a + b - 1 (the number before the
+    answer) where that is smaller, and no answer."""
+    return ",".join(str(i) for i in range(1, min(COUNT_ALL_NUMBERS, a + b - 1) + 1))
+
+
+def main(
+    out_dir: str | None = None,
+    swap_first: float = 0.0,
+    long_way_frac: float = 0.0,
+    count_all_frac: float = 0.0,
+) -> None:
+    if sum(map(bool, (swap_first, long_way_frac, count_all_frac))) > 1:
+        raise ValueError("--count-all, --swap-first, --long-way: expected one of them at most")
     pairs = [(a, b) for a in range(10, 90) for b in range(2, 10)]
     rng = random.Random(0)
     rng.shuffle(pairs)  # the default files draw nothing more from it
     here = Path(out_dir or Path(__file__).parent)
     here.mkdir(parents=True, exist_ok=True)
-    stem = "sum_chains" + ("_swap" if swap_first else "_longway" if long_way_frac else "")
+    variant = [("_swap", swap_first), ("_longway", long_way_frac), ("_countall", count_all_frac)]
+    stem = "sum_chains" + "".join(suffix for suffix, frac in variant if frac)
     for name, rows in (("test", pairs[:100]), ("train", pairs[100:])):
         lines = []
         for a, b in rows:
             x, y = (b, a) if swap_first and rng.random() < swap_first else (a, b)
-            long = long_way_frac and rng.random() < long_way_frac
-            worked = long_way(a, b) if long else solution(x, y)
+            if long_way_frac and rng.random() < long_way_frac:
+                worked = long_way(a, b)
+            elif count_all_frac and rng.random() < count_all_frac:
+                worked = count_all(a, b)
+            else:
+                worked = solution(x, y)
             lines.append(json.dumps({"prompt": f"What is {x} + {y}?", "answer": str(x + y),
                                      "solution": worked}))  # fmt: skip
         tmp = here / f".{stem}_{name}.jsonl.tmp"
@@ -76,10 +102,16 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir", nargs="?")
     group = p.add_mutually_exclusive_group()
+    group.add_argument("--count-all", type=float, default=0.0, metavar="F")
     group.add_argument("--swap-first", type=float, default=0.0, metavar="F")
     group.add_argument("--long-way", type=float, default=0.0, metavar="F")
     a = p.parse_args()
-    for flag, value in (("--swap-first", a.swap_first), ("--long-way", a.long_way)):
+    flags = (
+        ("--count-all", a.count_all),
+        ("--swap-first", a.swap_first),
+        ("--long-way", a.long_way),
+    )
+    for flag, value in flags:
         if not 0 <= value <= 1:
             p.error(f"{flag} {value}: expected a fraction in [0, 1]")
-    main(a.out_dir, a.swap_first, a.long_way)
+    main(a.out_dir, a.swap_first, a.long_way, a.count_all)
