@@ -221,11 +221,20 @@ def read_curves(metrics_file: Path) -> dict:
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
     pretrain = [r for r in records if r["stage"] == "value_pretrain"]
-    return {
-        "reward": {r["step"]: r["rollout/reward/mean"] for r in train},
-        "eval": evals,
-        "pretrain_ev": pretrain[-1].get("critic/vf_explained_var") if pretrain else None,
-    }
+    pretrain_ev = pretrain[-1].get("critic/vf_explained_var") if pretrain else None
+    if pretrain and pretrain_ev is None:
+        pretrain_ev = math.nan  # the metrics file writes NaN as null
+    reward = {r["step"]: r["rollout/reward/mean"] for r in train}
+    return {"reward": reward, "eval": evals, "pretrain_ev": pretrain_ev}
+
+
+def weak_critics(curves: dict[int, dict], floor: float) -> list[int]:
+    """The seeds whose value pretraining ended below `floor` explained variance (or at NaN)."""
+    return [
+        seed
+        for seed, c in curves.items()
+        if c["pretrain_ev"] is not None and not c["pretrain_ev"] >= floor
+    ]
 
 
 def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -> None:
@@ -271,6 +280,7 @@ def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
+    from megatron_rl.config import load_config
     from megatron_rl.platform import pin_threads
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -319,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     table, failing = gain_table(curves, a.min_gain)
     print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
+    floor = load_config(recipe).critic.pretrain_ev_warn_below
+    weak = weak_critics(curves, floor)
+    if weak:  # the trainer warned too; the summary is where it is read
+        print(f"warning: value pretraining ended below explained variance {floor} on seed(s) "
+              f"{weak}: advantages lean on a critic that explains little", flush=True)  # fmt: skip
     if failing:
         raise SystemExit(
             f"the demo did not learn enough: seed(s) {failing} gained less than "

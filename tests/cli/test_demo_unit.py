@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.cli.demo import gain_table, plot_curves, read_curves
+from megatron_rl.cli.demo import gain_table, plot_curves, read_curves, weak_critics
 from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 
 DATA = Path("examples/tiny/data")
@@ -51,6 +51,25 @@ def test_every_seed_must_gain_the_margin_from_first_to_last_eval(tmp_path):
     assert "+0.42" in table and "+0.24" in table
     assert table.splitlines()[1].split()[:5] == ["0", "0.20", "0.62", "+0.42", "0.20"]
     assert gain_table(curves, min_gain=0.2)[1] == []
+
+
+def test_seeds_whose_value_pretraining_ended_below_the_floor_or_at_nan_are_named(tmp_path):
+    write_metrics(tmp_path / "ok.jsonl", {0: 0.2, 5: 0.5})  # ends at EV 0.2
+    no_pretrain = tmp_path / "grpo.jsonl"
+    no_pretrain.write_text(json.dumps({"stage": "eval", "step": 0, "eval/accuracy": 0.2}) + "\n")
+    nan = tmp_path / "nan.jsonl"  # the trainer writes a NaN EV as null
+    nan.write_text(
+        json.dumps({"stage": "value_pretrain", "step": 1, "critic/vf_explained_var": None}) + "\n"
+    )
+    curves = {
+        0: read_curves(tmp_path / "ok.jsonl"),
+        1: read_curves(no_pretrain),
+        2: read_curves(nan),
+    }
+    assert curves[1]["pretrain_ev"] is None
+    assert weak_critics(curves, floor=0.3) == [0, 2]
+    assert weak_critics(curves, floor=0.2) == [2]
+    assert gain_table({1: curves[1] | {"eval": {0: 0.2, 5: 0.5}}}, 0.25)[0].split()[-3] == "-"
 
 
 def test_plot_is_written_as_png_into_a_new_directory(tmp_path):
