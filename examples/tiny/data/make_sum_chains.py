@@ -1,5 +1,5 @@
-"""Write the demo's worked-sum task: `sum_chains_train.jsonl` (540 rows) and
-`sum_chains_test.jsonl` (100 held-out rows) beside this file.
+"""Write the worked-sum tasks: `sum_chains_train.jsonl` (540 rows) and `sum_chains_test.jsonl`
+(100 held-out rows) beside this file, and with `--count-all 0.6` the demo's.
 
     python examples/tiny/data/make_sum_chains.py [OUT_DIR] [--count-all F | --swap-first F | --long-way F]
 
@@ -21,7 +21,8 @@ The demo's task (`make demo`, `--count-all 0.6`) decides the return at the first
   answer: ~60 tokens that never earn the reward. The prompts are the default's; the warm
   start learns both ways, and RL must learn to count on.
 
-Two more variants where the return is decided early (README, "Not yet built"):
+Two more variants where the return is decided early (README, "How the demo's task was
+chosen"):
 
 - `--swap-first F` writes `sum_chains_swap_{train,test}.jsonl`: a fraction F of the prompts
   ask for the small term first ("What is 6 + 37?"), worked by swapping the terms first
