@@ -161,8 +161,9 @@ class CriticConfig:
     pretrain_ev_threshold: float | None = None
     """Stop value pretraining early once explained variance reaches this."""
     pretrain_ev_warn_below: float = 0.3
-    """Warn when value pretraining ends below this explained variance: the critic then
-    explains little of the returns, and GAE advantages (lambda < 1) lean on its noise."""
+    """Warn when value pretraining ends below this explained variance (the mean of its last 5
+    steps, `settled_explained_variance`): the critic then explains little of the returns,
+    and GAE advantages (lambda < 1) lean on its noise."""
     use_dynamic_bsz: bool = False
     """As actor.use_dynamic_bsz, for the critic's update and values (without it the
     critic splits like the actor's micro_batch_size)."""

@@ -1,7 +1,8 @@
 """VAPO against the field on the demo's task: one warm start, one budget, several seeds.
 
     python -m tools.compare_algorithms [--task count_on|chains|sums]
-        [--variants vapo,ppo,grpo,dapo,rloo,reinforce_pp] [--ablations] [--seeds 0,1,2]
+        [--variants 'vapo,ppo,grpo,dapo,vapo + dynamic sampling,rloo,reinforce_pp']
+        [--ablations] [--seeds 0,1,2]
         [--ablation-seeds SEEDS] [--dir runs/compare-TASK] [--out docs/compare_algorithms_TASK]
 
 Every variant starts from the demo's warm start for the task (`megatron_rl.cli.demo.TASKS`)
@@ -58,6 +59,13 @@ def task_overrides(task: str) -> list[str]:
     ]
 
 
+DYNAMIC_SAMPLING = [
+    # generate chunks of 16 prompts (at most 3) until 16 groups with unequal rewards are kept
+    "rollout.rating.strategy=dynamic_filtering",
+    "rollout.rating.chunk_size=16",
+    "rollout.rating.max_num_gen_chunks=3",
+]
+
 VARIANTS: dict[str, tuple[str, list[str]]] = {
     # value pretraining, decoupled + length-adaptive GAE, clip-higher, token-level loss,
     # positive-sample NLL, group sampling (arXiv 2504.05118)
@@ -70,14 +78,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "dapo": (
         "grpo",
         [
-            "rollout.rating.strategy=dynamic_filtering",
-            "rollout.rating.chunk_size=16",
-            "rollout.rating.max_num_gen_chunks=3",
+            *DYNAMIC_SAMPLING,
             "actor.loss.clip_eps_high=0.28",
             "actor.loss.loss_agg_mode=token-mean",
             "actor.loss.kl_loss_coef=0.0",
         ],
     ),
+    # not in VAPO's paper: DAPO's dynamic sampling added, to tell what DAPO's row owes to it
+    "vapo + dynamic sampling": ("vapo", DYNAMIC_SAMPLING),
     "rloo": ("rloo", []),  # leave-one-out baseline (arXiv 2402.14740)
     "reinforce_pp": ("reinforce_pp", []),  # batch-whitened returns (arXiv 2501.03262)
 }

@@ -214,16 +214,16 @@ def run_rl(
 
 def read_curves(metrics_file: Path) -> dict:
     """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
-    evaluated; and the critic's explained variance at the last value-pretraining step (None
-    without value pretraining)."""
+    evaluated; and the critic's explained variance where value pretraining ended (the mean of
+    its last steps, `settled_explained_variance`; None without value pretraining)."""
+    from megatron_rl.algorithms.losses import settled_explained_variance
+
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
-    pretrain = [r for r in records if r["stage"] == "value_pretrain"]
-    pretrain_ev = pretrain[-1].get("critic/vf_explained_var") if pretrain else None
-    if pretrain and pretrain_ev is None:
-        pretrain_ev = math.nan  # the metrics file writes NaN as null
+    pretrain = [r.get("critic/vf_explained_var") for r in records if r["stage"] == "value_pretrain"]
+    pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
     return {"reward": reward, "eval": evals, "pretrain_ev": pretrain_ev}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rl.algorithms.losses import PRETRAIN_EV_WINDOW, settled_explained_variance
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.preemption import STOP
 
@@ -33,9 +34,10 @@ def parse_args(argv=None, description: str = __doc__):
 
 def value_pretrain(trainer) -> None:
     interval = trainer.config.trainer.save_interval
-    metrics = {}
+    evs = []
     while not trainer.value_pretrain_done:
         metrics = trainer.value_pretrain_step_once()
+        evs.append(metrics.get("critic/vf_explained_var"))
         trainer.logger.log(
             trainer.value_pretrain_step,
             metrics,
@@ -54,11 +56,12 @@ def value_pretrain(trainer) -> None:
             and not trainer.value_pretrain_done
         ):
             trainer.save()
-    ev = metrics.get("critic/vf_explained_var")
     floor = trainer.config.critic.pretrain_ev_warn_below
+    ev = settled_explained_variance(evs) if evs else None  # None: resumed after it ended
     if ev is not None and not ev >= floor and trainer.logger.enabled:  # NaN warns too
         print(
-            f"warning: value pretraining ended at explained variance {ev:.3g} < {floor} "
+            f"warning: value pretraining ended at explained variance {ev:.3g} (mean of its "
+            f"last {min(len(evs), PRETRAIN_EV_WINDOW)} steps) < {floor} "
             "(critic.pretrain_ev_warn_below): the critic explains little of the returns; "
             "more critic.pretrain_steps may help, unless the returns are not predictable "
             "from a prefix (tools/value_ceiling.py measures the ceiling on worked solutions)",

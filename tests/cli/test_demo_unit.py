@@ -44,17 +44,17 @@ def test_every_seed_must_gain_the_margin_from_first_to_last_eval(tmp_path):
         curves[seed] = read_curves(tmp_path / f"{seed}.jsonl")
     assert curves[0]["eval"] == {0: 0.2, 5: 0.5, 10: 0.62}
     assert list(curves[0]["reward"]) == list(range(1, 11))  # train steps only
-    assert curves[0]["pretrain_ev"] == 0.2  # where value pretraining ended
+    assert curves[0]["pretrain_ev"] == pytest.approx(0.15)  # the mean of its last steps
     table, failing = gain_table(curves, min_gain=0.25)
     # seed 1 peaked at +0.5 but ended at +0.24: the last eval decides, not the best one
     assert failing == [1]
     assert "+0.42" in table and "+0.24" in table
-    assert table.splitlines()[1].split()[:5] == ["0", "0.20", "0.62", "+0.42", "0.20"]
+    assert table.splitlines()[1].split()[:5] == ["0", "0.20", "0.62", "+0.42", "0.15"]
     assert gain_table(curves, min_gain=0.2)[1] == []
 
 
 def test_seeds_whose_value_pretraining_ended_below_the_floor_or_at_nan_are_named(tmp_path):
-    write_metrics(tmp_path / "ok.jsonl", {0: 0.2, 5: 0.5})  # ends at EV 0.2
+    write_metrics(tmp_path / "ok.jsonl", {0: 0.2, 5: 0.5})  # ends at EV 0.15 (0.1, 0.2)
     no_pretrain = tmp_path / "grpo.jsonl"
     no_pretrain.write_text(json.dumps({"stage": "eval", "step": 0, "eval/accuracy": 0.2}) + "\n")
     nan = tmp_path / "nan.jsonl"  # the trainer writes a NaN EV as null
@@ -68,7 +68,7 @@ def test_seeds_whose_value_pretraining_ended_below_the_floor_or_at_nan_are_named
     }
     assert curves[1]["pretrain_ev"] is None
     assert weak_critics(curves, floor=0.3) == [0, 2]
-    assert weak_critics(curves, floor=0.2) == [2]
+    assert weak_critics(curves, floor=0.15) == [2]
     assert gain_table({1: curves[1] | {"eval": {0: 0.2, 5: 0.5}}}, 0.25)[0].split()[-3] == "-"
 
 
