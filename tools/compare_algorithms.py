@@ -9,8 +9,9 @@ Every variant starts from the demo's warm start for the task (`megatron_rl.cli.d
 and gets the demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one
 PPO epoch in mini-batches of 64, TP=2, math reward +1/-1, held-out accuracy every 5 steps)
 on the task's data, response budget and eval sets (task_overrides: `eval/accuracy` is avg@4
-at T=1 for count_on and chains, greedy for sums); what makes each algorithm itself comes from its recipe
-plus the overrides in VARIANTS (VAPO's recipe is the task's, for its alpha). With
+at T=1 for count_on and chains, greedy for sums); what makes each algorithm itself comes
+from its recipe plus the overrides in VARIANTS (VAPO's recipe is the task's, for its alpha;
+"vapo + dynamic sampling" adds DAPO's sampling, which VAPO's paper does not use). With
 `--ablations`, VAPO is also run without each of its pieces (ABLATIONS, as in the paper's
 Table 2). Writes OUT.md (a table: final accuracy mean +- std over seeds, the first eval step
 at >= TARGET per seed, wall time per run) and OUT.png (mean held-out accuracy per variant).

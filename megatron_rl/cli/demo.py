@@ -17,7 +17,7 @@ Tasks (`--task`, TASKS): `count_on` (the default), sums answered either by count
 ("37+6=38+5=...=43+0. The answer is \\boxed{43}.") or by counting all from 1 ("1,2,3,...",
 cut off before the answer in the warm start's solutions), 20-62 tokens decided at the first
 one: what value pretraining, lambda_critic = 1 and length-adaptive GAE are for (the critic
-explains 0.5-0.7 of the returns' variance after 10 steps); `chains`, the same sums always
+explains 0.4-0.7 of the returns' variance after 10 steps); `chains`, the same sums always
 counted on, where the return hinges on slips spread over the chain (a critic explains ~0 of
 it, the ceiling being 0.32: README, "How the demo's task was chosen"); `sums`, the earlier single-digit sums
 answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer supervised
