@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 LOCK_ARGS ?=
 PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: demo test lint lock clean-venv
+.PHONY: demo test test-layouts lint lock clean-venv
 
 # A lock change rebuilds the venv from nothing: installing over an older set would keep
 # packages the lock no longer lists. --no-deps: the lock is the complete set; it leaves out
@@ -35,7 +35,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not layouts" $(PYTEST_ARGS)
+
+# The trainer at 4 ranks in every two-axis layout (TP2xDP2, PP2xDP2, TP2xPP2): ~5 min on 2
+# cores, a tier of its own to keep `make test` well under 20 minutes; .ci/run runs both.
+test-layouts: $(STAMP)
+	$(PY) -m pytest -m layouts $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

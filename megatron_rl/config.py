@@ -30,6 +30,7 @@ from megatron_rl.platform import ParallelLayout
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
+from megatron_rl.rollout.replica import RolloutLayout
 from megatron_rl.trainer.loggers import LOGGERS
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -80,7 +81,9 @@ class RolloutConfig:
     `model.precision.params_dtype`. A lower precision than the trainer's leaves a log-prob gap
     (`logprob_gap_*`, `rollout_corr/*`) that `algorithm.rollout_correction` can correct."""
     vllm_tensor_parallel_size: int | None = None
-    """vLLM's TP; None: one engine per model-parallel group (TP x PP ranks)."""
+    """vLLM's TP: ranks per rollout engine; None: parallel.tensor_model_parallel_size. An
+    engine's ranks must lie in one model replica, so it divides TP (or TP x PP when DP = 1);
+    a replica's engines split its prompts (`rollout/replica.py`)."""
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_space_gib: int = 1
@@ -482,6 +485,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
+def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
+    """How the world's ranks form vLLM engines and model replicas (`rollout/replica.py`)."""
+    p = config.parallel
+    return RolloutLayout(
+        world_size,
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        config.rollout.vllm_tensor_parallel_size or p.tensor_model_parallel_size,
+    )
+
+
 def validate_config(config: TrainConfig, world_size: int) -> None:
     """Everything that can be checked before a process group or a model exists."""
     from megatron_rl.models.source import ModelSource
@@ -509,6 +523,10 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"config section parallel: {e}") from None
     dp = config.parallel.data_parallel_size(world_size)
     r, a = config.rollout, config.actor
+    try:
+        rollout_layout(config, world_size).check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if r.rollout_batch_size % dp:
         raise ConfigError(
             f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "

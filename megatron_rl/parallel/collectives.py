@@ -171,6 +171,17 @@ def is_model_parallel_source() -> bool:
     return group is None or torch.distributed.get_rank(group) == 0
 
 
+def gather_over_model_parallel(obj) -> list:
+    """`obj` of every rank of this rank's model-parallel group, in group-rank order, on every
+    rank of the group (picklable objects; `[obj]` without model parallelism)."""
+    group = _model_parallel_group()
+    if group is None:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_over_model_parallel(obj):
     """`obj` of the model-parallel group's source rank, returned on every rank of the group
     (a picklable object; what the other ranks pass is ignored)."""

@@ -1,10 +1,11 @@
 """`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, and
 offers the steps `megatron_rl.cli.train` strings together.
 
-Ranks: one model replica per data-parallel rank, its TP x PP ranks sharing one vLLM engine
-(vLLM's external launcher, TP = TP x PP by default). Each DP rank draws its own slice of every
-rollout's prompts, scores its own samples, and the batches meet in the gradient all-reduce;
-whitening and loss normalisation use DP-global statistics.
+Ranks: one model replica per data-parallel rank (its TP x PP ranks); its vLLM engines (one
+per pipeline stage by default, vLLM TP = Megatron TP) split each rollout's prompts and share
+the samples (`rollout/replica.py`). Each DP rank draws its own slice of every rollout's
+prompts, scores its own samples, and the batches meet in the gradient all-reduce; whitening
+and loss normalisation use DP-global statistics.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import torch
 import yaml
 
 from megatron_rl import platform
-from megatron_rl.config import ConfigError, TrainConfig, to_dict, validate_config
+from megatron_rl.config import (
+    ConfigError,
+    TrainConfig,
+    rollout_layout,
+    to_dict,
+    validate_config,
+)
 from megatron_rl.data.batch import TrainingBatch, mini_batches, rated_to_batch
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.collectives import (
@@ -31,6 +38,7 @@ from megatron_rl.parallel.collectives import (
 )
 from megatron_rl.preemption import STOP
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
+from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.trainer.checkpoint import (
@@ -167,10 +175,11 @@ class RLTrainer:
         stale = self.shm.remove_stale()
         if stale:
             print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
-        self.engine = VLLMEngine(
+        engines = rollout_layout(c, self.ctx.world_size)
+        engine = VLLMEngine(
             policy_source.hf_dir,
             EngineConfig(
-                tensor_parallel_size=r.vllm_tensor_parallel_size or layout.model_parallel_size,
+                tensor_parallel_size=engines.vllm_tensor_parallel_size,
                 dtype=r.dtype or str(precision.params_dtype).removeprefix("torch."),
                 seed=t.seed,
                 max_model_len=r.max_model_len,
@@ -182,6 +191,8 @@ class RLTrainer:
                 extra={"load_format": "dummy"} if policy_source.is_megatron else {},
             ),
         )
+        # One generation per model replica, split over its engines (`rollout/replica.py`).
+        self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
         if policy_source.is_megatron:
             from megatron_rl.sync.weight_sync import sync_weights
 

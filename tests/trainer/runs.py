@@ -29,9 +29,9 @@ SMALL_VAPO = [
 ]
 
 
-def train(recipe: str, out: Path, *overrides: str, timeout: float = 400):
+def train(recipe: str, out: Path, *overrides: str, timeout: float = 400, nproc: int = 2):
     args = ["--config", f"examples/tiny/{recipe}.yaml", f"trainer.output_dir={out}", *overrides]
-    return run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=timeout)
+    return run_torchrun("megatron_rl.cli.train", args, nproc=nproc, timeout=timeout)
 
 
 def train_until_sigterm(recipe: str, out: Path, *overrides: str, after_steps: int) -> str:
