@@ -130,7 +130,9 @@ def apply() -> bool:
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     from megatron.core.tensor_parallel import random as tp_random
 
-    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(
+        0, dtype=torch.uint8, device="cpu"
+    )
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
 
     _APPLIED = True

@@ -207,6 +207,15 @@ def initialize(
     )
 
 
+def device() -> torch.device:
+    """The device of this rank's models and collectives: its CUDA device (set by
+    `initialize`, NCCL groups), else the CPU (gloo). Metadata that crosses ranks (counts,
+    flags, shapes) is made here too, so one NCCL group carries it: no CPU side group."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def seed_everything(seed: int) -> None:
     """Python's `random`, NumPy's global generator and torch's (CPU and CUDA)."""
     import random

@@ -149,3 +149,38 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
         assert torch.cuda.memory_allocated() < before
     for a, b in zip(plain.chunks[0].parameters(), offloaded.chunks[0].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl(
+    single_rank, tiny_model_dir
+):
+    """The device policy on a real GPU: a batch built in host memory (as the trainer builds
+    it from vLLM's samples) moves where it enters a role; results come back on the device;
+    the collectives' metadata is made on the device, which NCCL requires."""
+    from megatron_rl.parallel.collectives import (
+        any_rank,
+        data_parallel_min,
+        global_token_counts,
+        reduce_over_ranks,
+    )
+    from megatron_rl.workers.critic import Critic
+    from megatron_rl.workers.losses_config import ValueLossConfig
+    from tests.torchrun.actor_critic import global_batch
+
+    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    layout = platform.ParallelLayout()
+    ctx = platform.initialize(layout, arch=arch)
+    assert ctx.backend == "nccl" and platform.device().type == "cuda"
+    batch = global_batch(arch.vocab_size)
+    assert batch.input_ids.device.type == "cpu"
+    actor, critic = Actor(arch, layout, tiny_model_dir), Critic(arch, layout, tiny_model_dir)
+    assert actor.device.type == critic.device.type == "cuda"
+    logprobs = actor.compute_logprobs(batch, num_microbatches=2)
+    values = critic.compute_values(batch)
+    assert logprobs.device.type == values.device.type == "cuda"
+    counts = global_token_counts(batch.to(actor.device).response_mask, None)
+    assert counts.device.type == "cuda" and counts[0] == batch.response_mask.sum()
+    assert actor.update(batch, PolicyLossConfig(), num_microbatches=2)["update_ok"]
+    assert critic.update(batch, ValueLossConfig())["update_ok"]
+    assert any_rank(True) and not any_rank(False) and data_parallel_min(3) == 3
+    assert reduce_over_ranks({"x": 1.0}) == {"x": 1.0}

@@ -199,7 +199,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor):
     """For each response, its group's size, mean and unbiased std of scores: three [B] (float64)."""
     _, inverse, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
     scores = scores.double()
-    sums = torch.zeros(len(counts), dtype=scores.dtype).index_add_(0, inverse, scores)
+    sums = scores.new_zeros(len(counts)).index_add_(0, inverse, scores)
     mean = sums / counts
     sq = torch.zeros_like(sums).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
     std = (sq / (counts - 1).clamp(min=1)).sqrt()
@@ -223,7 +223,7 @@ def _token_rewards(inputs: AdvantageInputs, config: AdvantageConfig, scores=None
     scores = inputs.scores if scores is None else scores
     kl = inputs.token_kl
     if kl is None or config.kl_coef == 0:
-        kl = torch.zeros(inputs.response_mask.shape, dtype=scores.dtype)
+        kl = scores.new_zeros(inputs.response_mask.shape)
     return kl_penalized_token_rewards(scores, kl, inputs.response_mask, config.kl_coef)
 
 
@@ -264,7 +264,9 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
     else:
         critic_advantages = gae(rewards, values, mask, config.gamma, config.lambda_critic)
     returns = torch.where(mask.bool(), critic_advantages + values, 0)
-    per_sequence = torch.as_tensor(lam_policy, dtype=torch.float64).expand(len(mask))
+    per_sequence = torch.as_tensor(lam_policy, dtype=torch.float64, device=mask.device).expand(
+        len(mask)
+    )
     return _outputs(advantages, returns, inputs, config.whiten_advantages, per_sequence)
 
 

@@ -50,7 +50,9 @@ def aggregate_loss(
     check_same_shape("loss", loss_bt, "response_mask", response_mask)
     if loss_agg_mode == "token-mean":
         count = response_mask.sum() if global_token_count is None else global_token_count
-        return masked_sum(loss_bt, response_mask) / torch.as_tensor(count).clamp(min=1)
+        return masked_sum(loss_bt, response_mask) / torch.as_tensor(
+            count, device=loss_bt.device
+        ).clamp(min=1)
     if loss_agg_mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of {LOSS_AGGREGATIONS}")
     per_seq = masked_sum(loss_bt, response_mask, dim=1)
@@ -58,7 +60,7 @@ def aggregate_loss(
         per_seq = per_seq / response_mask.sum(dim=1).clamp(min=1)
     nonempty = (response_mask.sum(dim=1) > 0).sum()
     count = nonempty if global_seq_count is None else global_seq_count
-    return per_seq.sum() / torch.as_tensor(count).clamp(min=1)
+    return per_seq.sum() / torch.as_tensor(count, device=per_seq.device).clamp(min=1)
 
 
 def token_mean(
@@ -190,7 +192,9 @@ def positive_sample_nll_loss(
     check_same_shape("response_mask", response_mask, "logprobs", logprobs)
     positive = positive_sample_mask(scores, response_mask)
     count = positive.sum() if global_positive_token_count is None else global_positive_token_count
-    return -masked_sum(logprobs, positive) / torch.as_tensor(count).clamp(min=1)
+    return -masked_sum(logprobs, positive) / torch.as_tensor(count, device=logprobs.device).clamp(
+        min=1
+    )
 
 
 def clipped_value_loss(
@@ -212,7 +216,7 @@ def clipped_value_loss(
         check_same_shape(name, x, "values", values)
     unclipped = (values - returns).square()
     if clip_eps is None:
-        loss_bt, clipfrac = 0.5 * unclipped, torch.zeros((), dtype=torch.float64)
+        loss_bt, clipfrac = 0.5 * unclipped, unclipped.new_zeros((), dtype=torch.float64)
     else:
         # Clamped to [V_old - eps, V_old + eps] directly: V itself wherever it lies inside,
         # bit for bit, so `clipped > unclipped` (vf_clipfrac) counts only tokens the clip

@@ -201,8 +201,8 @@ def compute_rollout_correction(
     )
     maxima = torch.stack(
         [
-            w_token[valid].max() if valid.any() else torch.zeros((), dtype=torch.float64),
-            gap[valid].max() if valid.any() else torch.zeros((), dtype=torch.float64),
+            w_token[valid].max() if valid.any() else gap.new_zeros((), dtype=torch.float64),
+            gap[valid].max() if valid.any() else gap.new_zeros((), dtype=torch.float64),
         ]
     )
     return RolloutCorrection(weights, keep, sums, maxima)

@@ -25,7 +25,8 @@ from megatron_rl.models.hf_mapping import load_hf_into_megatron
 
 def demo_batch(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 0) -> torch.Tensor:
     """[batch, seq] token ids, the same on every rank and in the HF reference."""
-    return torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=g, device="cpu")
 
 
 def next_token_loss(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor) -> torch.Tensor:
@@ -50,8 +51,8 @@ def main() -> None:
     (model,) = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron([model], a.hf_dir, arch)
 
-    tokens = demo_batch(arch.vocab_size)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    tokens = demo_batch(arch.vocab_size).to(ctx.device)
+    positions = torch.arange(tokens.shape[1], device=ctx.device).expand_as(tokens)
     t0 = time.perf_counter()
     logits = model(tokens, positions, None)
     full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., : arch.vocab_size]

@@ -68,9 +68,9 @@ def main(argv=None) -> None:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             samples.append(Sample(0, 0, r.prompt_token_ids, ids, [0.0] * len(ids), "stop"))
         batch = samples_to_batch(samples, tokenizer.pad_token_id or 0)
-        zeros = torch.zeros(batch.input_ids.shape)
-        batch = batch.with_fields(
-            old_logprobs=zeros, advantages=zeros, scores=torch.ones(len(batch))
+        zeros = torch.zeros(batch.input_ids.shape, device="cpu")
+        batch = batch.with_fields(  # in host memory: the actor moves it to its device
+            old_logprobs=zeros, advantages=zeros, scores=torch.ones(len(batch), device="cpu")
         )
         metrics = actor.update(batch, loss)
         if step % 20 == 0 or step == a.steps - 1:

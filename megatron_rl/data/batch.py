@@ -4,6 +4,10 @@ splitting it into mini- and micro-batches. Everything that moves a batch imports
 Sequences are prompt + response, right-padded to one length S. Every per-token tensor is
 [B, S] and aligned to tokens: entry t concerns token t (its log-prob given tokens < t, the
 critic's value of the state before it, its advantage). Entry 0 is never a response token.
+
+Devices: a batch is built from the engine's samples in host memory and moved once, whole, by
+`to(device)` where it enters a role or the experience maker; what is derived from it after
+that (index tensors, splits, gathered log-probs) is made on the batch's own device.
 """
 
 from __future__ import annotations
@@ -61,8 +65,24 @@ class TrainingBatch:
     def position_ids(self) -> torch.Tensor:
         return torch.arange(self.seq_length, device=self.input_ids.device).expand_as(self.input_ids)
 
-    def rows(self, index: slice) -> TrainingBatch:
+    def to(self, device: torch.device | str) -> TrainingBatch:
+        """Every tensor on `device` (the batch itself when they already are)."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in fields(self)
+                if getattr(self, f.name) is not None
+            },
+        )
+
+    def rows(self, index: slice | torch.Tensor) -> TrainingBatch:
         """The same fields restricted to sequences `index`."""
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.input_ids.device)
         return replace(
             self,
             **{
@@ -207,11 +227,14 @@ def split_micro_batches(
         )
     lengths = batch.sequence_lengths().tolist()
     parts = to_count_multiple(token_budget_partition(lengths, max_tokens, multiple), count_multiple)
+    device = batch.input_ids.device
     micro = [
-        batch.rows(torch.tensor(rows)).with_length(round_up(lengths[rows[0]], multiple))
+        batch.rows(torch.tensor(rows, device=device)).with_length(
+            round_up(lengths[rows[0]], multiple)
+        )
         for rows in parts
     ]
-    return micro, torch.tensor([i for rows in parts for i in rows])
+    return micro, torch.tensor([i for rows in parts for i in rows], device=device)
 
 
 def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
@@ -222,40 +245,44 @@ def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
 
 def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
     """Engine samples (`rollout.vllm_engine.Sample`: `prompt_token_ids`, `token_ids`) ->
-    right-padded [B, S] prompt+response batch with a response mask."""
+    right-padded [B, S] prompt+response batch with a response mask, in host memory."""
     seqs = [s.prompt_token_ids + s.token_ids for s in samples]
     length = max(map(len, seqs))
-    ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), length)
+    ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros(len(seqs), length, device="cpu")
     for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq)
+        ids[i, : len(seq)] = torch.tensor(seq, device="cpu")
         mask[i, len(s.prompt_token_ids) : len(seq)] = 1
     return TrainingBatch(input_ids=ids, response_mask=mask)
 
 
-def rated_to_batch(groups, pad_token_id: int) -> tuple[TrainingBatch, torch.Tensor]:
-    """(batch with `scores`, group index [B]) from a rollout's groups of `RatedSample`s."""
+def rated_to_batch(
+    groups, pad_token_id: int, device: torch.device | str = "cpu"
+) -> tuple[TrainingBatch, torch.Tensor]:
+    """(batch with `scores`, group index [B]) from a rollout's groups of `RatedSample`s, on
+    `device` (built in host memory, then moved whole)."""
     rated = [r for g in groups for r in g]
     batch = samples_to_batch([r.sample for r in rated], pad_token_id)
-    scores = torch.tensor([r.reward for r in rated], dtype=torch.float32)
-    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g])
-    return batch.with_fields(scores=scores), group_index
+    scores = torch.tensor([r.reward for r in rated], dtype=torch.float32, device="cpu")
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], device="cpu")
+    return batch.with_fields(scores=scores).to(device), group_index.to(device)
 
 
 def engine_logprobs_of(samples, batch: TrainingBatch) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens, [B, S] aligned like the actor's."""
-    out = torch.zeros(batch.input_ids.shape)
+    """The engine's log-probs of the sampled tokens, [B, S] aligned like the actor's, on the
+    batch's device."""
+    out = torch.zeros(batch.input_ids.shape, device="cpu")
     for i, s in enumerate(samples):
         start = len(s.prompt_token_ids)
-        out[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs)
-    return out
+        out[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs, device="cpu")
+    return out.to(batch.input_ids.device)
 
 
 def mini_batches(
     batch: TrainingBatch, size: int, generator: torch.Generator
 ) -> list[TrainingBatch]:
     """Shuffled mini-batches of `size` rows (PPO reuses a batch over several epochs)."""
-    order = torch.randperm(len(batch), generator=generator)
+    order = torch.randperm(len(batch), generator=generator, device=generator.device)
     return [
         batch.rows(order[start : start + size]) for start in range(0, len(batch) - size + 1, size)
     ]

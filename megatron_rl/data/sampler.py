@@ -24,7 +24,7 @@ class PromptSampler:
         if not self.shuffle:
             return list(range(self.num_prompts))
         g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_prompts, generator=g).tolist()
+        return torch.randperm(self.num_prompts, generator=g, device="cpu").tolist()
 
     def take(self, k: int) -> list[int]:
         """The next `k` dataset indices, crossing into the next epoch (reshuffled) as needed."""

@@ -23,9 +23,9 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype, std: float):
         super().__init__()
-        # A fixed generator: every TP rank must start from the same head.
+        # A fixed CPU generator: every TP rank, on any device, must start from the same head.
         g = torch.Generator().manual_seed(0)
-        weight = torch.randn(1, hidden_size, generator=g, dtype=torch.float32) * std
+        weight = torch.randn(1, hidden_size, generator=g, dtype=torch.float32, device="cpu") * std
         self.weight = torch.nn.Parameter(weight.to(dtype))
         self.sequence_parallel = sequence_parallel
 

@@ -66,8 +66,10 @@ def yarn_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-point ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    powers = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    powers = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
     # ramp 0 (fast dimensions) keeps the original frequency, ramp 1 interpolates.
     return interpolated * ramp + extrapolated * (1 - ramp)

@@ -4,12 +4,18 @@ Token-level losses, whitening and explained variance are statistics of the DP-gl
 each data-parallel rank holds some rows, so counts, sums and moments are all-reduced over the
 data-parallel group (identity with one DP rank); metrics are reduced over every rank; a stop
 request on any rank stops all of them. No other module all-reduces for these.
+
+Devices: under NCCL (every group on GPU) a collective takes only CUDA tensors, so the
+metadata made here (counts, flags, sizes) is made on `platform.device()`, and data tensors
+are reduced on the device they arrive on (the role's). Object collectives (`reduce_over_ranks`,
+`*_over_model_parallel`) pickle through the current CUDA device by themselves.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_rl import platform
 from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
 from megatron_rl.algorithms.masked import Moments
 from megatron_rl.data.batch import TrainingBatch, balanced_assignment
@@ -41,7 +47,7 @@ def data_parallel_max(t: torch.Tensor) -> torch.Tensor:
 
 def data_parallel_min(value: int) -> int:
     """The smallest `value` over the data-parallel ranks."""
-    t = torch.tensor([value], dtype=torch.long)
+    t = torch.tensor([value], dtype=torch.long, device=platform.device())
     group = _data_parallel_group()
     if group is not None:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
@@ -55,10 +61,10 @@ def data_parallel_gather_rows(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]
     if group is None:
         return t, [len(t)]
     n = torch.distributed.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
-    torch.distributed.all_gather(sizes, torch.tensor([len(t)]), group=group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=t.device) for _ in range(n)]
+    torch.distributed.all_gather(sizes, torch.tensor([len(t)], device=t.device), group=group)
     counts = [int(s) for s in sizes]
-    padded = torch.zeros((max(counts), *t.shape[1:]), dtype=t.dtype)
+    padded = torch.zeros((max(counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[: len(t)] = t
     parts = [torch.empty_like(padded) for _ in range(n)]
     torch.distributed.all_gather(parts, padded, group=group)
@@ -74,7 +80,8 @@ def balance_over_data_parallel(batch: TrainingBatch) -> tuple[TrainingBatch, dic
     group = _data_parallel_group()
     if group is None:
         return batch, {}
-    length = int(data_parallel_max(torch.tensor([batch.seq_length])))
+    device = batch.input_ids.device
+    length = int(data_parallel_max(torch.tensor([batch.seq_length], device=device)))
     batch = batch.with_length(length)
     fields, counts = {}, []
     for name, value in vars(batch).items():
@@ -94,7 +101,7 @@ def balance_over_data_parallel(batch: TrainingBatch) -> tuple[TrainingBatch, dic
         "dp_tokens_max_over_mean_before": max(before) / mean,
         "dp_tokens_max_over_mean": max(after) / mean,
     }
-    return everything.rows(torch.tensor(mine)), metrics
+    return everything.rows(torch.tensor(mine, device=device)), metrics
 
 
 def global_token_counts(response_mask: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
@@ -102,7 +109,7 @@ def global_token_counts(response_mask: torch.Tensor, scores: torch.Tensor | None
     positive-sample tokens of the DP-global batch, what token-level losses divide by.
 
     response_mask: [B, S] this rank's rows; scores: [B] outcome rewards or None."""
-    positive = torch.zeros((), dtype=torch.float64)
+    positive = torch.zeros((), dtype=torch.float64, device=response_mask.device)
     if scores is not None:
         positive = (response_mask.bool() & (scores > 0)[:, None]).sum().double()
     return data_parallel_sum(torch.cat([token_and_sequence_counts(response_mask), positive[None]]))
@@ -148,7 +155,7 @@ def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank of the world."""
-    t = torch.tensor([1.0 if flag else 0.0])
+    t = torch.tensor([1.0 if flag else 0.0], device=platform.device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 

@@ -57,9 +57,10 @@ class MegatronRewardModel(HFRewardModel):
         from megatron_rl.data.batch import TrainingBatch
 
         width = max(len(x) for x in ids)
-        tokens = torch.full((len(ids), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        pad = self.tokenizer.pad_token_id or 0
+        tokens = torch.full((len(ids), width), pad, dtype=torch.long, device="cpu")
         for row, x in enumerate(ids):  # right padding: causal attention never looks at it
-            tokens[row, : len(x)] = torch.tensor(x)
+            tokens[row, : len(x)] = torch.tensor(x, device="cpu")
         tokens = tokens.to(next(self.role.chunks[0].parameters()).device)
         batch = TrainingBatch(
             input_ids=tokens, response_mask=torch.zeros_like(tokens, dtype=torch.float)

@@ -74,10 +74,10 @@ class HFRewardModel(RewardFunction):
     def score_token_ids(self, ids: list[list[int]]) -> list[float]:
         """Score of each token sequence: the score head at its last token."""
         width = max(len(x) for x in ids)
-        tokens = torch.zeros(len(ids), width, dtype=torch.long)
-        mask = torch.zeros(len(ids), width, dtype=torch.long)
-        for row, x in enumerate(ids):  # right padding
-            tokens[row, : len(x)] = torch.tensor(x)
+        tokens = torch.zeros(len(ids), width, dtype=torch.long, device="cpu")
+        mask = torch.zeros(len(ids), width, dtype=torch.long, device="cpu")
+        for row, x in enumerate(ids):  # right padding, built in host memory, then moved
+            tokens[row, : len(x)] = torch.tensor(x, device="cpu")
             mask[row, : len(x)] = 1
         # The backbone's hidden states through the score head, read at each row's last real
         # token: independent of the pad-token heuristics of HF's classification wrapper.

@@ -20,10 +20,10 @@ def engine_token_logprobs(engine, batch: TrainingBatch) -> torch.Tensor:
     scores = engine.score(
         [row[:n].tolist() for row, n in zip(batch.input_ids, lengths, strict=True)]
     )
-    out = torch.zeros(batch.input_ids.shape)
+    out = torch.zeros(batch.input_ids.shape, device="cpu")
     for i, (n, lp) in enumerate(zip(lengths, scores, strict=True)):
-        out[i, 1:n] = torch.tensor(lp)
-    return out
+        out[i, 1:n] = torch.tensor(lp, device="cpu")
+    return out.to(batch.input_ids.device)
 
 
 def logprob_gap(

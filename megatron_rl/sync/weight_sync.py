@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_mapping import expected_hf_shapes, export_hf_tensors
 
@@ -61,7 +62,7 @@ def _pack(bucket):
 def _unpack(meta, flat):
     offset = 0
     for name, shape, dtype in meta:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         yield name, flat[offset : offset + nbytes].view(dtype).view(shape).clone()
         offset += nbytes
 
@@ -96,7 +97,7 @@ def all_stage_tensors(
                 meta, numel = header
                 if meta is None:
                     break
-                flat = torch.empty(numel, dtype=torch.uint8)
+                flat = torch.empty(numel, dtype=torch.uint8, device=platform.device())
                 torch.distributed.broadcast(flat, src=ranks[stage], group=group)
                 yield from _unpack(meta, flat)
 

@@ -52,6 +52,7 @@ def eval_sums(
             *passes,
         ],
         dtype=torch.float64,
+        device="cpu",  # sums of host-side rewards; moved to the collectives' device to reduce
     )
 
 

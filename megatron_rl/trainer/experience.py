@@ -72,9 +72,10 @@ def forward_micro_batching(config, role: str, rows: int) -> dict:
 def make_experience(
     groups, actor, critic, reference, config, pad_token_id: int
 ) -> tuple[TrainingBatch, dict[str, float]]:
-    """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch and
-    the experience metrics (KL, engine vs trainer log-probs, advantage/value means)."""
-    batch, group_index = rated_to_batch(groups, pad_token_id)
+    """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch, on
+    the actor's device, and the experience metrics (KL, engine vs trainer log-probs,
+    advantage/value means)."""
+    batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
     split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
     old = actor.compute_logprobs(batch, **split)

@@ -275,8 +275,11 @@ class RLTrainer:
         samples = [s for g in groups for s in g]
         metrics = dict(rollout.metrics)
         if samples:
-            rewards = torch.tensor([s.reward for s in samples])
-            lengths = torch.tensor([s.sample.response_length for s in samples], dtype=torch.float)
+            # host-side statistics of this rank's samples (reduce_over_ranks takes floats)
+            rewards = torch.tensor([s.reward for s in samples], device="cpu")
+            lengths = torch.tensor(
+                [s.sample.response_length for s in samples], dtype=torch.float, device="cpu"
+            )
             metrics.update(
                 {
                     "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
@@ -414,7 +417,7 @@ class RLTrainer:
 
     def _value_pretrain_update(self, groups, step: int) -> dict[str, float]:
         c = self.config
-        batch, group_index = rated_to_batch(groups, self.pad_token_id)
+        batch, group_index = rated_to_batch(groups, self.pad_token_id, self.critic.device)
         mask = batch.response_mask
         per_rank, nmb = self._minibatch_plan()
         values = self.critic.compute_values(
@@ -501,8 +504,9 @@ class RLTrainer:
             for s, text in zip(samples, texts, strict=True)
             for p in [mine[s.prompt_index]]
         ]
-        rewards = torch.tensor(self.pool.result(self.pool.submit(inputs)).scored.rewards)
-        lengths = torch.tensor([float(s.response_length) for s in samples])
+        scored = self.pool.result(self.pool.submit(inputs)).scored
+        rewards = torch.tensor(scored.rewards, device="cpu")
+        lengths = torch.tensor([float(s.response_length) for s in samples], device="cpu")
         shape = (len(mine), spec.n)
         sums = eval_sums(
             (rewards > 0).reshape(shape),
@@ -510,8 +514,7 @@ class RLTrainer:
             lengths.reshape(shape),
             spec.pass_k,
         )
-        data_parallel_sum(sums)
-        return sums
+        return data_parallel_sum(sums.to(self.ctx.device))
 
     # ------------------------------------------------------------------ checkpoints
 

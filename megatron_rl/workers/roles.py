@@ -45,6 +45,11 @@ class MegatronRole:
         interleaved = layout.virtual_pipeline_model_parallel_size is not None
         self.count_multiple = layout.pipeline_model_parallel_size if interleaved else 1
 
+    @property
+    def device(self) -> torch.device:
+        """Where this role's weights live: every batch it is given moves here first."""
+        return next(self.chunks[0].parameters()).device
+
     def split(self, batch: TrainingBatch, num_microbatches: int, max_tokens: int | None):
         return split_micro_batches(
             batch, num_microbatches, max_tokens, self.seq_multiple, self.count_multiple
@@ -59,9 +64,10 @@ class MegatronRole:
         max_tokens: int | None = None,
     ) -> torch.Tensor:
         """`collect(mb, output) -> [b, s]` on each micro-batch; [B, S] on every PP rank, in the
-        batch's row order. With a token budget (`max_tokens`, see `split_micro_batches`) the
-        entries past a row's last response token are 0: its micro-batch held padding there, or
-        stopped before."""
+        batch's row order, on the role's device. With a token budget (`max_tokens`, see
+        `split_micro_batches`) the entries past a row's last response token are 0: its
+        micro-batch held padding there, or stopped before."""
+        batch = batch.to(self.device)
         for chunk in self.chunks:
             chunk.eval()
         micro, order = self.split(batch, num_microbatches, max_tokens)
@@ -72,7 +78,7 @@ class MegatronRole:
         in_batch_order = torch.empty_like(out)
         in_batch_order[order] = out
         # Past a row's length its micro-batch held padding (or stopped): 0, whatever the split.
-        seen = torch.arange(batch.seq_length) < batch.sequence_lengths()[:, None]
+        seen = torch.arange(batch.seq_length, device=out.device) < batch.sequence_lengths()[:, None]
         return torch.where(seen, in_batch_order, 0.0)
 
 
@@ -140,6 +146,7 @@ class TrainableRole(MegatronRole):
         from megatron.core import parallel_state
 
         self._restore_offloaded()
+        batch = batch.to(self.device)
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()

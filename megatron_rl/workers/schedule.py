@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch
 
 
@@ -77,7 +78,7 @@ def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.
             ]
         ).to(dtype)
     else:
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=platform.device())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(
             out,
