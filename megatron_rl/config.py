@@ -226,6 +226,10 @@ class TrainerConfig:
     None: on with actor.use_dynamic_bsz, where a rank's micro-batches cost its tokens."""
     max_nonfinite_in_a_row: int = 3
     """Updates with NaN/Inf loss or gradients are skipped; this many in a row stop the run."""
+    step_timeout_s: float | None = 7200.0
+    """The watchdog (`trainer/watchdog.py`): a step (with its evaluation and save) running
+    longer ends the run with where each rank is, the phase, and the ranks that did not
+    arrive at a collective others wait in. None: off. Set it well above the slowest step."""
     logger: tuple[str, ...] = ("console", "jsonl")
     """Where step metrics go, any of console, jsonl, tensorboard, wandb, mlflow (verl's
     name; `trainer/loggers.py`). output_dir/metrics.jsonl is written whatever the list."""
@@ -247,6 +251,10 @@ class TrainerConfig:
             self, total_steps=0, save_interval=0, keep_last=1, save_hf_interval=0,
             eval_interval=0, max_nonfinite_in_a_row=1,
         )  # fmt: skip
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(
+                f"step_timeout_s must be > 0 (or null: off), got {self.step_timeout_s}"
+            )
         if self.overwrite and self.resume:
             raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
         unknown = [name for name in self.logger if name not in LOGGERS]

@@ -39,6 +39,11 @@ class ParallelLayout:
     """Shard activations outside attention/MLP along the sequence across the TP group."""
     context_parallel_size: int = 1
     """CP: reserved; must be 1 in this version."""
+    distributed_timeout_minutes: float = 30.0
+    """How long any collective may wait for its peers before it fails on its rank (every
+    process group's timeout; Megatron-LM's name). A collective waits for the slowest rank's
+    work before it (an uneven rollout), so keep it above that wait; `trainer.step_timeout_s`
+    is the watchdog that names where each rank is."""
 
     @property
     def model_parallel_size(self) -> int:
@@ -80,6 +85,10 @@ class ParallelLayout:
                 )
             if vpp < 1:
                 raise ValueError(f"virtual_pipeline_model_parallel_size must be >= 1, got {vpp}")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(
+                f"distributed_timeout_minutes must be > 0, got {self.distributed_timeout_minutes}"
+            )
         if self.sequence_parallel and tp < 2:
             raise ValueError(
                 f"sequence_parallel=True needs tensor_model_parallel_size >= 2, got {tp}"
@@ -128,7 +137,6 @@ def initialize(
     *,
     arch: ModelArchitecture | None = None,
     seed: int = 1234,
-    timeout_minutes: int = 30,
     deterministic: bool = False,
 ) -> DistributedContext:
     """Initialise torch.distributed, Megatron parallel state and the RNG for this rank.
@@ -167,7 +175,7 @@ def initialize(
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=datetime.timedelta(minutes=layout.distributed_timeout_minutes),
         )
 
     from megatron.core import parallel_state, tensor_parallel
@@ -177,7 +185,7 @@ def initialize(
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
+        distributed_timeout_minutes=layout.distributed_timeout_minutes,
         # On CPU the default group already is gloo; duplicates would only cost sockets.
         create_gloo_process_groups=use_cuda,
     )

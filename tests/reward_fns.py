@@ -4,6 +4,7 @@ Ray workers and in the reference reward server."""
 from __future__ import annotations
 
 import math
+import os
 import time
 
 
@@ -35,6 +36,14 @@ def nan_reward(prompt: str, response: str, label) -> float:
 def sleeps_forever(prompt: str, response: str, label) -> float:
     time.sleep(3600)
     return 0.0
+
+
+def stalls_on_rank_1(prompt: str, response: str, label) -> float:
+    """Rank 1 never returns (a reward service that stopped answering, on one rank only); the
+    other ranks score by length parity and go on to the next collective."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    return length_parity(prompt, response, label)
 
 
 def batched_lengths(prompts: list[str], responses: list[str], labels: list) -> list[float]:

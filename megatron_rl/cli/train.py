@@ -36,26 +36,27 @@ def value_pretrain(trainer) -> None:
     interval = trainer.config.trainer.save_interval
     evs = []
     while not trainer.value_pretrain_done:
-        metrics = trainer.value_pretrain_step_once()
-        evs.append(metrics.get("critic/vf_explained_var"))
-        trainer.logger.log(
-            trainer.value_pretrain_step,
-            metrics,
-            "value_pretrain",
-            trainer.config.critic.pretrain_steps,
-        )
-        threshold = trainer.config.critic.pretrain_ev_threshold
-        if threshold is not None and metrics.get("critic/vf_explained_var", -1e9) >= threshold:
-            trainer.value_pretrain_step = trainer.config.critic.pretrain_steps  # converged
-        if trainer.stop_requested_anywhere():
-            trainer.save()
-            sys.exit(0)
-        if (
-            interval
-            and trainer.value_pretrain_step % interval == 0
-            and not trainer.value_pretrain_done
-        ):
-            trainer.save()
+        with trainer.watchdog.watch(f"value_pretrain step {trainer.value_pretrain_step + 1}"):
+            metrics = trainer.value_pretrain_step_once()
+            evs.append(metrics.get("critic/vf_explained_var"))
+            trainer.logger.log(
+                trainer.value_pretrain_step,
+                metrics,
+                "value_pretrain",
+                trainer.config.critic.pretrain_steps,
+            )
+            threshold = trainer.config.critic.pretrain_ev_threshold
+            if threshold is not None and metrics.get("critic/vf_explained_var", -1e9) >= threshold:
+                trainer.value_pretrain_step = trainer.config.critic.pretrain_steps  # converged
+            if trainer.stop_requested_anywhere():
+                trainer.save()
+                sys.exit(0)
+            if (
+                interval
+                and trainer.value_pretrain_step % interval == 0
+                and not trainer.value_pretrain_done
+            ):
+                trainer.save()
     floor = trainer.config.critic.pretrain_ev_warn_below
     ev = settled_explained_variance(evs) if evs else None  # None: resumed after it ended
     if ev is not None and not ev >= floor and trainer.logger.enabled:  # NaN warns too
@@ -76,19 +77,21 @@ def train(trainer) -> None:
     if trainer.eval_sets and trainer.step == 0:
         trainer.logger.log(0, trainer.evaluate(), "eval")
     while trainer.step < total:
-        metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync
-        if trainer.eval_sets and (
-            trainer.step == total or (eval_interval and trainer.step % eval_interval == 0)
-        ):
-            metrics.update(trainer.evaluate())
-        trainer.logger.log(trainer.step, metrics)
-        stop = trainer.stop_requested_anywhere()
-        if stop or trainer.step == total or (interval and trainer.step % interval == 0):
-            trainer.save()  # first: on pre-emption the checkpoint is what must be complete
-        if t.save_hf_interval and (trainer.step == total or trainer.step % t.save_hf_interval == 0):
-            trainer.save_hf()  # a step the resumed run will not redo
-        if stop:
-            sys.exit(0)
+        with trainer.watchdog.watch(f"train step {trainer.step + 1}"):  # trainer.step_timeout_s
+            metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync
+            step = trainer.step
+            if trainer.eval_sets and (
+                step == total or (eval_interval and step % eval_interval == 0)
+            ):
+                metrics.update(trainer.evaluate())
+            trainer.logger.log(step, metrics)
+            stop = trainer.stop_requested_anywhere()
+            if stop or step == total or (interval and step % interval == 0):
+                trainer.save()  # first: on pre-emption the checkpoint is what must be complete
+            if t.save_hf_interval and (step == total or step % t.save_hf_interval == 0):
+                trainer.save_hf()  # a step the resumed run will not redo
+            if stop:
+                sys.exit(0)
 
 
 def main(argv=None) -> None:

@@ -10,8 +10,10 @@ and loss normalisation use DP-global statistics.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -62,6 +64,7 @@ from megatron_rl.trainer.experience import (
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger, peer_names
+from megatron_rl.trainer.watchdog import Watchdog, default_store
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": 3}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
@@ -94,6 +97,20 @@ def nonfinite_streak(streak: int, records: list[dict], limit: int) -> int:
             f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
         )
     return streak
+
+
+def in_phase(name: str):
+    """Run an RLTrainer method as the watchdog's phase `name`."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            with self.watchdog.phase(name):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def _mean_metrics(records: list[dict]) -> dict[str, float]:
@@ -131,6 +148,9 @@ class RLTrainer:
         arch = policy_source.architecture()
         self.ctx = platform.initialize(
             layout, arch=arch, seed=t.seed, deterministic=t.deterministic
+        )
+        self.watchdog = Watchdog(
+            t.step_timeout_s, self.ctx.rank, self.ctx.world_size, default_store()
         )
         self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
@@ -247,6 +267,12 @@ class RLTrainer:
         save and exit together."""
         return any_rank(STOP.requested)
 
+    @contextmanager
+    def phase(self, name: str):
+        """A phase of a step: named to the watchdog, its peak memory recorded."""
+        with self.watchdog.phase(name), self.memory.phase(name):
+            yield
+
     @property
     def dp_size(self) -> int:
         return self.ctx.dp_size
@@ -349,7 +375,7 @@ class RLTrainer:
         then its KV cache for the next rollout."""
         c, step = self.config, self.step
         t0 = time.perf_counter()
-        with self.memory.phase("rollout"):
+        with self.phase("rollout"):
             groups, metrics = self.generate_and_score("train", step)
         if not groups:  # dynamic filtering found nothing informative within its cap
             self.step += 1
@@ -358,7 +384,7 @@ class RLTrainer:
             return peer_names(reduce_over_ranks(metrics))
         t1 = time.perf_counter()
         self.engine.sleep(level=2)  # its weights come back with the sync below
-        with self.memory.phase("experience"):
+        with self.phase("experience"):
             batch, exp_metrics = make_experience(
                 groups,
                 self.actor,
@@ -369,13 +395,13 @@ class RLTrainer:
             )
         t2 = time.perf_counter()
         metrics.update(exp_metrics)
-        with self.memory.phase("train"):
+        with self.phase("train"):
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
         from megatron_rl.sync.weight_sync import sync_weights
 
         self.engine.wake_up(("weights",))
-        with self.memory.phase("sync"):
+        with self.phase("sync"):
             sync_weights(self.actor, self.engine)
         self.engine.wake_up(("kv_cache",))
         t4 = time.perf_counter()
@@ -401,14 +427,14 @@ class RLTrainer:
         """VC-PPO/VAPO value pretraining: policy frozen, critic regresses lambda = 1
         Monte-Carlo returns (the final reward on every token when gamma = 1)."""
         step = self.value_pretrain_step
-        with self.memory.phase("rollout"):
+        with self.phase("rollout"):
             groups, metrics = self.generate_and_score("value_pretrain", step)
         if not groups:
             self.value_pretrain_step += 1
             metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
             return peer_names(reduce_over_ranks({**metrics, "skipped_update": 1.0}))
         self.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
-        with self.memory.phase("train"):
+        with self.phase("train"):
             metrics.update(self._value_pretrain_update(groups, step))
         self.engine.wake_up()
         self.value_pretrain_step += 1
@@ -443,6 +469,7 @@ class RLTrainer:
         metrics.update(balance_metrics)
         return metrics
 
+    @in_phase("eval")
     def evaluate(self) -> dict[str, float]:
         """Every eval set (`trainer.eval_sets`): avg@n, pass@k, mean reward and length over
         the whole set (`trainer/evaluation.py`), one row per set in eval.jsonl; the first
@@ -518,6 +545,7 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @in_phase("save")
     def save(self) -> None:
         c = self.config
         sources = {"actor": c.model.path, "critic": c.model.critic_path or c.model.path}
@@ -538,6 +566,7 @@ class RLTrainer:
         if self.ctx.rank == 0:
             print(f"saved checkpoint {path}", flush=True)
 
+    @in_phase("save_hf")
     def save_hf(self) -> Path:
         """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`)."""
         from megatron_rl.models.hf_export import save_hf_pretrained
