@@ -113,6 +113,16 @@ class MemoryPlanConfig:
                 f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is below "
                 f"seq_length={self.seq_length}: one sequence must fit a micro-batch"
             )
+        if self.vllm_tensor_parallel_size is not None:
+            from megatron_rl.rollout.replica import RolloutLayout
+
+            tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+            try:  # an engine across two model replicas is refused by the trainer too
+                RolloutLayout(
+                    tp * pp * self.data_parallel_size, tp, pp, self.vllm_tensor_parallel_size
+                ).check()
+            except ValueError as e:
+                raise PlanError(str(e)) from None
 
     @property
     def micro_batch_tokens(self) -> int:

@@ -173,6 +173,15 @@ def test_vllm_memory_that_cannot_hold_its_weights_is_reported():
             dict(seq_length=4096, max_tokens_per_micro_batch=4000),
             "max_tokens_per_micro_batch=4000 is below seq_length=4096",
         ),
+        (  # the 32B layout with one vLLM engine over both pipeline stages: two replicas
+            dict(
+                tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=2,
+                data_parallel_size=8,
+                vllm_tensor_parallel_size=16,
+            ),
+            "vllm_tensor_parallel_size=16 puts ranks 0..15 in one vLLM engine",
+        ),
     ],
 )
 def test_bad_settings_name_the_parameter(kwargs, message):

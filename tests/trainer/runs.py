@@ -29,9 +29,10 @@ SMALL_VAPO = [
 ]
 
 
-def train(recipe: str, out: Path, *overrides: str, timeout: float = 400, nproc: int = 2):
+def train(recipe: str, out: Path, *overrides: str, timeout: float = 400, **torchrun):
+    """`megatron_rl.cli.train` on a tiny recipe; `torchrun`: `run_torchrun`'s keywords."""
     args = ["--config", f"examples/tiny/{recipe}.yaml", f"trainer.output_dir={out}", *overrides]
-    return run_torchrun("megatron_rl.cli.train", args, nproc=nproc, timeout=timeout)
+    return run_torchrun("megatron_rl.cli.train", args, timeout=timeout, **torchrun)
 
 
 def train_until_sigterm(recipe: str, out: Path, *overrides: str, after_steps: int) -> str:
