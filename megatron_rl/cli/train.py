@@ -75,7 +75,8 @@ def train(trainer) -> None:
     t = trainer.config.trainer
     total, interval, eval_interval = t.total_steps, t.save_interval, t.eval_interval
     if trainer.eval_sets and trainer.step == 0:
-        trainer.logger.log(0, trainer.evaluate(), "eval")
+        with trainer.watchdog.watch("the evaluation before training"):
+            trainer.logger.log(0, trainer.evaluate(), "eval")
     while trainer.step < total:
         with trainer.watchdog.watch(f"train step {trainer.step + 1}"):  # trainer.step_timeout_s
             metrics = trainer.train_step()  # rollout -> experience -> PPO epochs -> weight sync

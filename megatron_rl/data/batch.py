@@ -68,16 +68,11 @@ class TrainingBatch:
     def to(self, device: torch.device | str) -> TrainingBatch:
         """Every tensor on `device` (the batch itself when they already are)."""
         device = torch.device(device)
-        if self.input_ids.device == device:
+        present = {f.name: getattr(self, f.name) for f in fields(self)}
+        present = {k: v for k, v in present.items() if v is not None}
+        if all(v.device == device for v in present.values()):
             return self
-        return replace(
-            self,
-            **{
-                f.name: getattr(self, f.name).to(device)
-                for f in fields(self)
-                if getattr(self, f.name) is not None
-            },
-        )
+        return replace(self, **{k: v.to(device) for k, v in present.items()})
 
     def rows(self, index: slice | torch.Tensor) -> TrainingBatch:
         """The same fields restricted to sequences `index`."""

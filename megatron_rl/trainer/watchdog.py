@@ -37,6 +37,7 @@ NATIVE_GRACE_S = 60.0
 """After the timeout, when faulthandler ends a rank whose watchdog thread could not run."""
 PHASE_KEY, REPORT_KEY = "megatron_rl/phase/{}", "megatron_rl/watchdog/{}"
 NOTE = "megatron_rl watchdog:"
+BETWEEN = "between phases"
 
 
 def default_store():
@@ -124,7 +125,7 @@ def summary(reports: dict[int, dict], world_size: int) -> list[str]:
 class Watchdog:
     def __init__(self, timeout_s: float | None, rank: int, world_size: int, store=None):
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
-        self.unit, self.current, self.armed_at = "start-up", "-", None
+        self.unit, self.current, self.armed_at = "start-up", BETWEEN, None
         self._main = threading.get_ident()
         if timeout_s:
             threading.Thread(target=self._run, daemon=True, name="megatron_rl-watchdog").start()
@@ -134,13 +135,11 @@ class Watchdog:
     @contextmanager
     def watch(self, unit: str):
         """Arm for `unit` (e.g. "train step 3"); disarmed when it ends."""
-        self.unit, self.current = unit, "-"
-        self._record()
-        self.armed_at = time.monotonic()
+        self.unit, self.armed_at = unit, time.monotonic()
         if self.timeout_s:
             faulthandler.dump_traceback_later(self.timeout_s + NATIVE_GRACE_S, exit=True)
         try:
-            with self.phase("-"):
+            with self.phase(BETWEEN):
                 yield
         finally:
             self.armed_at = None
@@ -218,8 +217,7 @@ class Watchdog:
             reports = self._read(REPORT_KEY)
         reports[self.rank] = mine
         if min(reports) == self.rank:  # one rank prints the whole picture
-            phases = self._read(PHASE_KEY)
-            known = {**{r: v for r, v in phases.items() if r not in reports}, **reports}
+            known = {**self._read(PHASE_KEY), **reports}  # a phase where no report came
             head = (
                 f"watchdog: {self.unit} ran {elapsed:.0f} s on rank {self.rank}, over "
                 f"trainer.step_timeout_s={self.timeout_s:g}: ending the run. Where each rank is:"
