@@ -31,6 +31,12 @@ def token_and_sequence_counts(response_mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([mask.sum(), (mask.sum(dim=1) > 0).double().sum()])
 
 
+def _at_least_one(count, like: torch.Tensor) -> torch.Tensor:
+    """A count (a number or a tensor) as a tensor on `like`'s device, at least 1: the
+    denominator of a loss over a batch that may hold no valid token."""
+    return torch.as_tensor(count, device=like.device).clamp(min=1)
+
+
 def aggregate_loss(
     loss_bt: torch.Tensor,
     response_mask: torch.Tensor,
@@ -50,9 +56,7 @@ def aggregate_loss(
     check_same_shape("loss", loss_bt, "response_mask", response_mask)
     if loss_agg_mode == "token-mean":
         count = response_mask.sum() if global_token_count is None else global_token_count
-        return masked_sum(loss_bt, response_mask) / torch.as_tensor(
-            count, device=loss_bt.device
-        ).clamp(min=1)
+        return masked_sum(loss_bt, response_mask) / _at_least_one(count, loss_bt)
     if loss_agg_mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of {LOSS_AGGREGATIONS}")
     per_seq = masked_sum(loss_bt, response_mask, dim=1)
@@ -60,7 +64,7 @@ def aggregate_loss(
         per_seq = per_seq / response_mask.sum(dim=1).clamp(min=1)
     nonempty = (response_mask.sum(dim=1) > 0).sum()
     count = nonempty if global_seq_count is None else global_seq_count
-    return per_seq.sum() / torch.as_tensor(count, device=per_seq.device).clamp(min=1)
+    return per_seq.sum() / _at_least_one(count, per_seq)
 
 
 def token_mean(
@@ -192,9 +196,7 @@ def positive_sample_nll_loss(
     check_same_shape("response_mask", response_mask, "logprobs", logprobs)
     positive = positive_sample_mask(scores, response_mask)
     count = positive.sum() if global_positive_token_count is None else global_positive_token_count
-    return -masked_sum(logprobs, positive) / torch.as_tensor(count, device=logprobs.device).clamp(
-        min=1
-    )
+    return -masked_sum(logprobs, positive) / _at_least_one(count, logprobs)
 
 
 def clipped_value_loss(

@@ -66,9 +66,8 @@ def yarn_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a one-point ramp would divide by zero
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
-        0, 1
-    )
+    pairs = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)
     powers = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     extrapolated, interpolated = 1.0 / powers, 1.0 / (factor * powers)
     # ramp 0 (fast dimensions) keeps the original frequency, ramp 1 interpolates.
