@@ -33,9 +33,10 @@ from megatron_rl.rollout.rating import RatingConfig
 from megatron_rl.rollout.replica import RolloutLayout
 from megatron_rl.trainer.loggers import LOGGERS
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
-from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.optimizer import OptimConfig, resolve_lr_decay_steps
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+ROLLOUT_ENGINES = ("vllm", "hf")
 
 
 def check_at_least(section, **minimum_and_value) -> None:
@@ -63,6 +64,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    name: str = "vllm"
+    """The rollout engine (verl's `rollout.name`): "vllm", or "hf", a Hugging Face model with
+    its own decode loop (`rollout/hf_engine.py`) for debugging and small GPU checks without
+    vLLM installed: slow, one whole model per rank (vllm_tensor_parallel_size 1), no KV-cache
+    budget (gpu_memory_utilization, cpu_kv_cache_space_gib are vLLM's and refused)."""
     rollout_batch_size: int = 8
     """Prompts per step, over all DP ranks (VAPO: 512)."""
     n_samples_per_prompt: int = 4
@@ -102,6 +108,16 @@ class RolloutConfig:
             raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
+        if self.name not in ROLLOUT_ENGINES:
+            raise ValueError(f"name must be one of {ROLLOUT_ENGINES}, got {self.name!r}")
+        if self.name == "hf":
+            for key in ("gpu_memory_utilization", "cpu_kv_cache_space_gib"):
+                default = RolloutConfig.__dataclass_fields__[key].default
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"{key}={getattr(self, key)} sizes vLLM's KV cache: the hf engine "
+                        f"(name=hf) has none; leave it at {default} or use name=vllm"
+                    )
 
     @property
     def truncated(self) -> bool:
@@ -133,6 +149,13 @@ class ActorConfig:
     optimizer_offload: bool = False
     """Keep the optimizer's state and master weights in host memory between updates (needs
     bf16/fp16 params: with fp32 ones megatron's optimizer steps the model's own weights)."""
+    param_offload: bool = False
+    """Keep the parameters in host memory from the weight sync until the next experience
+    (verl's param_offload): the rollout engine generates without them on the device.
+    Bit-exact (bytes copied back); costs two host<->device copies of the weights a step."""
+    ref_param_offload: bool = False
+    """The reference policy's parameters (with a KL term) in host memory from the end of
+    the experience until the next one: neither training nor generation holds them."""
 
     def __post_init__(self) -> None:
         check_at_least(
@@ -178,6 +201,9 @@ class CriticConfig:
     """As actor.grad_offload, for the critic."""
     optimizer_offload: bool = False
     """As actor.optimizer_offload, for the critic."""
+    param_offload: bool = False
+    """The critic's parameters in host memory from the end of its update until the next
+    experience (its values): through the weight sync and the rollout."""
 
     def __post_init__(self) -> None:
         check_at_least(self, ppo_max_token_len_per_gpu=1)
@@ -500,7 +526,9 @@ def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
         world_size,
         p.tensor_model_parallel_size,
         p.pipeline_model_parallel_size,
-        config.rollout.vllm_tensor_parallel_size or p.tensor_model_parallel_size,
+        # hf: every rank holds the whole model, an engine of its own
+        config.rollout.vllm_tensor_parallel_size
+        or (1 if config.rollout.name == "hf" else p.tensor_model_parallel_size),
     )
 
 
@@ -531,6 +559,12 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"config section parallel: {e}") from None
     dp = config.parallel.data_parallel_size(world_size)
     r, a = config.rollout, config.actor
+    if r.name == "hf" and (r.vllm_tensor_parallel_size or 1) > 1:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} with "
+            "rollout.name=hf: the hf engine holds the whole model on each rank (TP 1); "
+            "leave vllm_tensor_parallel_size unset or 1, or use rollout.name=vllm"
+        )
     try:
         rollout_layout(config, world_size).check()
     except ValueError as e:
@@ -565,6 +599,14 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             f"algorithm.estimator={config.algorithm.estimator!r} needs "
             f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
         )
+    for key, asked, present, how in (
+        ("critic.param_offload", config.critic.param_offload, config.use_critic,
+         "critic.enable or algorithm.estimator gae"),
+        ("actor.ref_param_offload", config.actor.ref_param_offload, config.use_reference,
+         "algorithm.kl_coef or actor.loss.kl_loss_coef > 0"),
+    ):  # fmt: skip
+        if asked and not present:
+            raise ConfigError(f"{key}=true but this run has no such model (it needs {how})")
     if config.model.precision.params_dtype == torch.float32:
         for role in ("actor", "critic"):
             if getattr(config, role).optimizer_offload:
@@ -593,3 +635,21 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "critic.pretrain_steps > 0 needs a critic (critic.enable or estimator gae)"
         )
+    for role in ("actor", "critic") if config.use_critic else ("actor",):
+        try:
+            scheduled_optim(config, role)
+        except ValueError as e:
+            raise ConfigError(f"{role}.{e}") from None
+
+
+def scheduled_optim(config: TrainConfig, role: str) -> OptimConfig:
+    """`role`'s optimizer settings with `lr_decay_steps` resolved to the run's planned
+    optimizer updates (`workers/optimizer.py`): ppo_epochs x samples per step /
+    ppo_mini_batch_size per PPO step, and for the critic one pass per value-pretraining step
+    before them. Planned: a step that dynamic filtering leaves short makes fewer."""
+    r, a = config.rollout, config.actor
+    per_pass = r.rollout_batch_size * r.n_samples_per_prompt // a.ppo_mini_batch_size
+    updates = config.trainer.total_steps * a.ppo_epochs * per_pass
+    if role == "critic":
+        updates += config.critic.pretrain_steps * per_pass
+    return resolve_lr_decay_steps(getattr(config, role).optim, updates)

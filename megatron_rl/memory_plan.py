@@ -28,7 +28,15 @@ The last stage also holds an fp32 copy of the [micro-batch, seq, vocab/TP] logit
 log-probs' backward (three with an entropy bonus; `megatron_rl.parallel.vocab`).
 
 vLLM colocated: it takes `gpu_memory_utilization` of the GPU during generation (its weights,
-then KV cache); in sleep mode (level 1) it holds nothing during training.
+then KV cache); in sleep mode (level 1) it holds nothing during training. Not modelled: the
+hf engine (`rollout.name: hf`, for debugging), which holds a whole copy of the weights per
+rank while generating and a KV cache that grows with batch x length, with no budget.
+
+Offload (`offload`, keys of `MemoryPlan.states`): what a role keeps in host memory, or frees,
+while vLLM generates (`actor/critic.param_offload`, `grad_offload`, `optimizer_offload`,
+`actor.ref_param_offload`): the generation phase holds the rest of the states plus vLLM's
+share. Training brings everything back, so the training phase does not change. TE's FP8
+weight copies are workspaces, not parameters: they stay (`<role>_fp8_weight_copies`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ from megatron_rl.models.presets import layer_param_count, param_count
 GiB = 2**30
 RECOMPUTE = (None, "selective", "full")
 PROFILES = ("te", "local")
+OFFLOADABLE = {
+    "actor": ("weights", "grads", "optimizer"),
+    "critic": ("weights", "grads", "optimizer"),
+    "reference": ("weights",),
+}
+"""The states each role can move off the device for generation (see `offload`)."""
 
 
 class PlanError(ValueError):
@@ -84,6 +98,10 @@ class MemoryPlanConfig:
     gpu_memory_gib: float = 80.0
     reserved_gib: float = 4.0
     """CUDA context, NCCL buffers, allocator fragmentation: never available to tensors."""
+    offload: tuple[str, ...] = ()
+    """States in host memory (or freed) while vLLM generates, by `MemoryPlan.states` key:
+    actor_weights (actor.param_offload), actor_grads (grad_offload), actor_optimizer
+    (optimizer_offload), the critic's alike, reference_weights (actor.ref_param_offload)."""
 
     def __post_init__(self) -> None:
         if self.recompute_granularity not in RECOMPUTE:
@@ -113,6 +131,7 @@ class MemoryPlanConfig:
                 f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} is below "
                 f"seq_length={self.seq_length}: one sequence must fit a micro-batch"
             )
+        self._check_offload()
         if self.vllm_tensor_parallel_size is not None:
             from megatron_rl.rollout.replica import RolloutLayout
 
@@ -123,6 +142,20 @@ class MemoryPlanConfig:
                 ).check()
             except ValueError as e:
                 raise PlanError(str(e)) from None
+
+    def _check_offload(self) -> None:
+        known = [f"{r}_{k}" for r, kinds in OFFLOADABLE.items() for k in kinds]
+        for key in self.offload:
+            if key not in known:
+                raise PlanError(f"offload {key!r}: expected some of {known}")
+            role = key.split("_")[0]
+            if role != "actor" and not getattr(self, role):
+                raise PlanError(f"offload {key!r}: the plan has no {role} ({role}=False)")
+            if key.endswith("_optimizer") and self.params_dtype == "fp32":
+                raise PlanError(
+                    f"offload {key!r} needs params_dtype=bf16: with fp32 parameters megatron's "
+                    "optimizer steps the model's own weights"
+                )
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -164,8 +197,14 @@ class MemoryPlan:
         return self.states_bytes + max(self.activations.values(), default=0) + vllm
 
     @property
+    def offloaded_bytes(self) -> int:
+        """States away from the device while vLLM generates (`MemoryPlanConfig.offload`)."""
+        return sum(self.states[k] for k in self.config.offload)
+
+    @property
     def rollout_bytes(self) -> int:
-        return self.states_bytes + self.vllm_bytes
+        """Generation: the states still on the device plus vLLM's share."""
+        return self.states_bytes - self.offloaded_bytes + self.vllm_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -174,6 +213,11 @@ class MemoryPlan:
     @property
     def usable_bytes(self) -> int:
         return int((self.config.gpu_memory_gib - self.config.reserved_gib) * GiB)
+
+    @property
+    def margin_bytes(self) -> int:
+        """Usable memory left at the peak (negative: short by that much)."""
+        return self.usable_bytes - self.peak_bytes
 
     @property
     def fits(self) -> bool:
@@ -204,7 +248,7 @@ def _bytes_per_element(c: MemoryPlanConfig) -> int:
 def model_state_bytes(params: int, c: MemoryPlanConfig, trainable: bool) -> dict[str, int]:
     out = {"weights": params * _bytes_per_element(c)}
     if c.fp8:
-        out["weights"] += params * 2  # TE's FP8 copy of each GEMM weight and its transpose
+        out["fp8_weight_copies"] = params * 2  # TE's FP8 copy of each GEMM weight, transposed
     if trainable:
         optimizer = 12 if c.params_dtype == "bf16" else 8
         shard = c.data_parallel_size if c.use_distributed_optimizer else 1
@@ -367,8 +411,10 @@ def summary_row(plan: MemoryPlan) -> dict[str, object]:
     row["activations_gib"] = gib(max(plan.activations.values(), default=0))
     row["vllm_gib"] = gib(plan.vllm_bytes)
     row["vllm_kv_tokens"] = plan.vllm_kv_cache_tokens
+    row["offloaded_gib"] = gib(plan.offloaded_bytes)
     row["train_gib"] = gib(plan.train_bytes)
     row["rollout_gib"] = gib(plan.rollout_bytes)
     row["peak_gib"] = gib(plan.peak_bytes)
+    row["margin_gib"] = gib(plan.margin_bytes)
     row["fits"] = plan.fits
     return row

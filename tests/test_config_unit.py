@@ -62,8 +62,18 @@ def test_vapo_recipe_uses_the_papers_settings():
     assert (c.rollout.rollout_batch_size, c.rollout.n_samples_per_prompt) == (512, 16)
     assert c.actor.ppo_mini_batch_size == 512 and c.critic.pretrain_steps == 50
     assert not c.use_reference and c.use_critic
-    (aime,) = c.trainer.eval_sets  # the paper reports AIME24 avg@32
-    assert (aime.name, aime.n, aime.temperature) == ("aime24", 32, 1.0)
+    (aime,) = c.trainer.eval_sets  # the paper reports AIME24 avg@32 at T 1.0, top-p 0.7
+    assert (aime.name, aime.n, aime.temperature, aime.top_p) == ("aime24", 32, 1.0, 0.7)
+    # The paper's 5,000 steps are gradient updates (its Figure 1), not rollout steps.
+    samples = c.rollout.rollout_batch_size * c.rollout.n_samples_per_prompt
+    updates_per_step = c.actor.ppo_epochs * samples // c.actor.ppo_mini_batch_size
+    assert updates_per_step == 16
+    assert 5000 <= c.trainer.total_steps * updates_per_step < 5000 + updates_per_step
+    # DAPO's warm-up: 20 rollout steps, in the schedule's unit (updates)
+    assert c.actor.optim.lr_warmup_steps == 20 * updates_per_step
+    assert c.actor.optim.lr_decay_style == "constant"
+    # Nothing the sbatch script does not start: the reward workers' Ray is started locally.
+    assert c.rewards.pool.ray_address is None
 
 
 @pytest.mark.parametrize(
@@ -210,6 +220,20 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
         tiny_model_dir, "critic.optimizer_offload=true", "model.precision.params_dtype=bfloat16"
     )
     validate_config(bf16, 2)
+
+
+def test_parameter_offload_of_a_model_the_run_does_not_have_is_refused(tiny_model_dir):
+    """vapo.yaml: a critic, no reference (kl_coef 0)."""
+    every = ("actor.param_offload=true", "critic.param_offload=true")
+    validate_config(config_for(tiny_model_dir, *every), 2)
+    with pytest.raises(ConfigError, match="actor.ref_param_offload=true but this run has no"):
+        validate_config(config_for(tiny_model_dir, "actor.ref_param_offload=true"), 2)
+    validate_config(
+        config_for(tiny_model_dir, "actor.ref_param_offload=true", "algorithm.kl_coef=0.01"), 2
+    )
+    rloo = ("algorithm.estimator=rloo", "critic.pretrain_steps=0")
+    with pytest.raises(ConfigError, match=r"critic.param_offload=true .* critic.enable or"):
+        validate_config(config_for(tiny_model_dir, *rloo, *every), 2)
 
 
 def test_critic_and_reference_follow_the_algorithm(tiny_model_dir):

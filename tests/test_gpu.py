@@ -127,8 +127,10 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
 def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     single_rank, tiny_model_dir, distributed
 ):
-    """grad_offload / optimizer_offload free device memory between updates: the device
-    memory drops, and two steps with offloading in between equal two steps without."""
+    """grad_offload / optimizer_offload / param_offload free device memory between updates:
+    the device memory drops by at least the parameters' bytes, which wait in pinned host
+    memory (one storage per DDP param buffer with the distributed optimizer, one per
+    parameter without), and two steps with offloading in between equal two steps without."""
     from megatron_rl.workers.optimizer import OptimConfig
 
     arch = ModelArchitecture.from_hf_config(tiny_model_dir)
@@ -145,8 +147,16 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
         offloaded.update(batch, loss, num_microbatches=2)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        offloaded.offload(grads=True, optimizer=True)
-        assert torch.cuda.memory_allocated() < before
+        offloaded.offload(grads=True, optimizer=True, params=True)
+        away = offloaded._params_away
+        params = [p for c in offloaded._chunks for p in c.parameters()]
+        assert all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in params)
+        assert all(h.is_pinned() and h.device.type == "cpu" for h in away.host)
+        buffers = sum(len(c.buffers) for c in offloaded._chunks)
+        assert len(away.storages) == (buffers if distributed else len(params))
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        assert offloaded.offloaded_param_bytes >= param_bytes
+        assert before - torch.cuda.memory_allocated() > param_bytes
     for a, b in zip(plain.chunks[0].parameters(), offloaded.chunks[0].parameters(), strict=True):
         assert torch.equal(a, b)
 

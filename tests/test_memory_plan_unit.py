@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.memory_plan import (
+    OFFLOADABLE,
     MemoryPlanConfig,
     PlanError,
     activation_bytes,
@@ -18,7 +19,7 @@ from megatron_rl.memory_plan import (
 )
 from megatron_rl.models.presets import param_count, preset_arch, resolve_arch
 from tools.plan_memory import main as plan_main
-from tools.plan_memory import recipe_settings
+from tools.plan_memory import offload_keys, recipe_offload, recipe_settings
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE_32B = REPO / "examples/qwen2.5-32b/vapo.yaml"
@@ -152,6 +153,61 @@ def test_the_32b_recipe_fits_80gb_and_its_neighbours_do_not():
         assert not plan_memory(arch, variant).fits, change
 
 
+def test_offload_takes_exactly_its_states_bytes_off_the_generation_peak():
+    """Each offloaded state leaves the generation phase by its own bytes, together by their
+    sum; training brings everything back, so its phase does not change."""
+    arch = preset_arch("qwen2.5-32b")
+    base = MemoryPlanConfig(
+        tensor_model_parallel_size=8, pipeline_model_parallel_size=2, data_parallel_size=8,
+        sequence_parallel=True, recompute_granularity="full", seq_length=22528,
+        reference=True, vllm_gpu_memory_utilization=0.5,
+    )  # fmt: skip
+    plain = plan_memory(arch, base)
+    keys = [f"{role}_{kind}" for role, kinds in OFFLOADABLE.items() for kind in kinds]
+    assert len(keys) == 7 and plain.offloaded_bytes == 0
+    for key in keys:
+        moved = plan_memory(arch, dataclasses.replace(base, offload=(key,)))
+        assert plain.states[key] > 0 and moved.offloaded_bytes == plain.states[key]
+        assert plain.rollout_bytes - moved.rollout_bytes == plain.states[key]
+        assert moved.train_bytes == plain.train_bytes
+    everything = plan_memory(arch, dataclasses.replace(base, offload=tuple(keys)))
+    assert everything.rollout_bytes == plain.vllm_bytes  # no state left on the device
+    assert plain.rollout_bytes - everything.rollout_bytes == plain.states_bytes
+    # bf16 parameters: param_offload moves 2 bytes a parameter
+    assert plain.states["actor_weights"] == 2 * plain.params_per_gpu["actor"]
+
+
+def test_fp8_weight_copies_are_not_parameters_and_stay():
+    arch = preset_arch("qwen2.5-7b")
+    fp8 = MemoryPlanConfig(tensor_model_parallel_size=4, fp8=True, offload=("actor_weights",))
+    plan = plan_memory(arch, fp8)
+    n = plan.params_per_gpu["actor"]
+    assert plan.states["actor_weights"] == 2 * n and plan.states["actor_fp8_weight_copies"] == 2 * n
+    assert plan.offloaded_bytes == 2 * n
+
+
+def test_the_32b_recipe_with_offload_generates_on_the_vllm_share_alone(capsys):
+    argv = ["--model", "qwen2.5-32b", "--recipe", str(RECIPE_32B), "--dp", "8", "--json"]
+    assert plan_main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plan_main(argv + ["--offload", "params,grads,optimizer"]) == 0
+    moved = json.loads(capsys.readouterr().out)
+    states = plain["actor_states_gib"] + plain["critic_states_gib"]
+    assert plain["offloaded_gib"] == 0 and moved["offloaded_gib"] == pytest.approx(states)
+    assert moved["rollout_gib"] == moved["vllm_gib"] and moved["train_gib"] == plain["train_gib"]
+    assert moved["margin_gib"] == pytest.approx(plain["margin_gib"] + states, abs=0.1)
+    # the recipe's own settings, and the kinds expanded over the roles a plan has
+    assert recipe_settings(str(RECIPE_32B))["offload"] == ()
+    from megatron_rl.config import load_config
+
+    c = load_config(RECIPE_32B, ["actor.param_offload=true", "critic.grad_offload=true"])
+    assert recipe_offload(c) == ("actor_weights", "critic_grads")
+    assert offload_keys("params,critic_optimizer", critic=True, reference=False) == (
+        "actor_weights", "critic_weights", "critic_optimizer",
+    )  # fmt: skip
+    assert offload_keys("none", critic=True, reference=True) == ()
+
+
 def test_vllm_memory_that_cannot_hold_its_weights_is_reported():
     arch = preset_arch("qwen2.5-32b")
     c = MemoryPlanConfig(
@@ -168,6 +224,13 @@ def test_vllm_memory_that_cannot_hold_its_weights_is_reported():
         (dict(profile="gpu"), "profile='gpu'"),
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
         (dict(seq_length=0), "seq_length=0"),
+        (dict(offload=("actor_params",)), "offload 'actor_params': expected some of"),
+        (dict(offload=("reference_weights",)), "offload 'reference_weights': the plan has no"),
+        (dict(critic=False, offload=("critic_grads",)), "the plan has no critic"),
+        (
+            dict(params_dtype="fp32", offload=("actor_optimizer",)),
+            "offload 'actor_optimizer' needs params_dtype=bf16",
+        ),
         (dict(fp8=True, params_dtype="fp32"), "fp8 needs params_dtype=bf16"),
         (
             dict(seq_length=4096, max_tokens_per_micro_batch=4000),

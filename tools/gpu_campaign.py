@@ -1,19 +1,32 @@
-"""The GPU campaign: everything only a GPU can measure, in one command and one report.
+"""The GPU campaign: what only a GPU can measure, part by part, for a short GPU window.
 
-    python -m tools.gpu_campaign [--out bench/gpu_campaign.json] [--only NAME ...] [--list]
+    python -m tools.gpu_campaign [--out-dir bench/gpu_campaign] [--only NAME ...] [--list]
+        [--copy-to $OUT]
 
-Any session that is lent a GPU runs this first and commits the report. Each part runs as
-its own subprocess with a time limit; a part whose packages are missing (vLLM, Transformer
-Engine) is recorded as skipped with the reason, never as passed. Parts:
+Every session lent a GPU runs it first and commits the report. Each part is a subprocess
+(`python -m ...` from the repository root) with its own time limit (<= 540 s, so one part
+fits one 10-minute device call); its output goes, as it runs, to DIR/<part>.log, and after
+each part DIR/report.json is rewritten (temp file, then os.replace): a window that ends
+mid-part leaves the earlier parts' results. `--only` merges into an existing report.
+A part is `skipped`, never passed, with the reason: no CUDA device, fewer devices than it
+needs, or the modules it needs (named) not installed. Parts (`--list` prints them):
 
-- env:           torch / CUDA / device, which of megatron-core, Transformer Engine, vLLM import
-- gpu_tests:     the GPU-only tests (tests/test_gpu.py: bf16 kernels, TE spec, FP8, the
-                 distributed optimizer's checkpoint)
-- train_step_bf16, train_step_fp8: `tools.bench train_step` on CUDA (MFU, peak memory)
-- weight_sync:   `tools.bench weight_sync` (Megatron -> vLLM GB/s), needs vLLM
-- logprob_gap_bf16: `tools.logprob_diff` with a bf16 rollout against the trainer, needs vLLM
-- sleep_wake:    two GRPO steps of the tiny recipe; its memory_timeline.jsonl (peak memory
-                 per phase with vLLM asleep while Megatron trains), needs vLLM
+- env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
+                      always runs, also without CUDA
+- gpu_tests:          the GPU-only tests (tests/test_gpu.py: bf16 actor step, TE spec, FP8,
+                      distributed-optimizer checkpoint, offloading, NCCL roles)
+- train_step_bf16:    `tools.bench train_step` on CUDA in bf16 (MFU, peak memory vs plan)
+- train_step_fp8:     the same with FP8 GEMMs, needs Transformer Engine
+- trainer_hf_rollout: the trainer itself: two PPO steps of examples/tiny/ppo.yaml (actor,
+                      critic, reference) on one GPU, bf16 params, rollouts by Hugging Face
+                      generate (`rollout.name=hf`, no vLLM); its metrics.jsonl and
+                      memory_timeline.jsonl go into the report
+- nccl_two_ranks_one_gpu: can two ranks share one GPU under NCCL (tools/gpu_nccl_probe.py)
+- worker_tp_pp:       the worker-level TP=2 / PP=2 torchrun tests; needs 2 GPUs (why: below)
+- weight_sync:        `tools.bench weight_sync` (Megatron -> vLLM GB/s), needs vLLM
+- logprob_gap_bf16:   `tools.logprob_diff` with a bf16 vLLM rollout, needs vLLM
+- sleep_wake:         two GRPO steps with vLLM asleep while Megatron trains (its
+                      memory_timeline.jsonl), needs vLLM
 
 The project never needs a GPU to build or pass its tests; this only measures.
 """
@@ -21,149 +34,298 @@ The project never needs a GPU to build or pass its tests; this only measures.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-TE, VLLM = ("transformer_engine",), ("vllm",)
+REPO = Path(__file__).resolve().parent.parent
+MAX_TIMEOUT_S = 540
+"""A part must end inside one device call (10 minutes) with time to spare for the rest."""
+STATUSES = ("passed", "failed", "skipped", "timeout")
+MEGATRON, TE, VLLM = ("megatron.core",), ("transformer_engine",), ("vllm",)
+TWO_RANKS_ONE_GPU = (
+    "two ranks on one GPU do not work here: NCCL refuses them at set-up ('Duplicate GPU "
+    "detected'); gloo takes CUDA tensors only for broadcast/all_reduce, not the all_gather, "
+    "reduce_scatter and send/recv of SP and PP; megatron_rl.platform puts rank i on cuda:i "
+    "(LOCAL_RANK). The nccl_two_ranks_one_gpu part tries the one route left (NCCL_HOSTID "
+    "per rank, two one-process torchrun nodes)"
+)
 
 
 @dataclass(frozen=True)
 class Part:
     name: str
     argv: tuple[str, ...]
-    """Run as `python -m ...` from the repository root."""
+    """Run as `python -m <argv>` from the repository root."""
     needs: tuple[str, ...] = ()
-    """Modules that must import (else: skipped, naming them)."""
-    timeout_s: int = 600
-    artifacts: tuple[str, ...] = field(default=())
-    """Files (relative to the part's work dir) whose contents go into the report."""
+    """Modules that must be installed (else: skipped, naming them)."""
+    gpus: int = 1
+    """CUDA devices it needs (0: runs anywhere)."""
+    timeout_s: int = MAX_TIMEOUT_S
+    artifacts: tuple[str, ...] = ()
+    """Files (relative to the work dir) whose JSON lines go into the report."""
+    tiny_model: bool = False
+    """Needs the tiny HF checkpoint made at WORK/tiny before it runs."""
+    gpus_reason: str = ""
+    """Why it needs that many devices (said when it is skipped for fewer)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"part {self.name}: timeout_s={self.timeout_s}, expected 1..{MAX_TIMEOUT_S}"
+            )
 
 
 def parts(work: Path) -> list[Part]:
+    """The campaign, in the order it runs; `work` holds the tiny model and run outputs."""
     tiny, results = str(work / "tiny"), ("--out", str(work / "bench.jsonl"))
     shape = ("--preset", "qwen2.5-0.5b")
     train_step = ("tools.bench", "train_step", "--dtype", "bf16", *shape, "--seq-length", "2048")
+
+    def trainer(run: str, recipe: str, *overrides: str) -> tuple[str, ...]:
+        # each trainer part its own output dir: a second would resume from the first's save
+        return (
+            "megatron_rl.launch",
+            "--nproc-per-node=1",
+            "-m",
+            "megatron_rl.cli.train",
+            "--config",
+            recipe,
+            f"model.path={tiny}",
+            f"trainer.output_dir={work / run}",
+            "trainer.total_steps=2",
+            "model.precision.params_dtype=bfloat16",
+            *overrides,
+        )
+
+    def timeline(run: str) -> tuple[str, ...]:
+        return (f"{run}/metrics.jsonl", f"{run}/memory_timeline.jsonl")
+
     return [
-        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py")),
-        Part("train_step_bf16", (*train_step, *results)),
-        Part("train_step_fp8", (*train_step, "--fp8", "hybrid", *results), needs=TE),
-        Part("weight_sync", ("tools.bench", "weight_sync", *shape, *results), needs=VLLM),
+        Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
+        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py"),
+             needs=("pytest", *MEGATRON)),
+        Part("train_step_bf16", (*train_step, *results), needs=MEGATRON),
+        Part("train_step_fp8", (*train_step, "--fp8", "hybrid", *results), needs=MEGATRON + TE),
+        Part(
+            "trainer_hf_rollout",
+            trainer("run_hf", "examples/tiny/ppo.yaml", "rollout.name=hf"),
+            needs=(*MEGATRON, "transformers", "datasets", "megatron_rl.rollout.hf_engine"),
+            artifacts=timeline("run_hf"), tiny_model=True,
+        ),
+        Part("nccl_two_ranks_one_gpu", ("tools.gpu_nccl_probe",), timeout_s=240),
+        Part(
+            "worker_tp_pp",
+            ("pytest", "-q", "tests/test_megatron_distributed.py",
+             "tests/workers/test_workers_distributed.py"),
+            needs=("pytest", *MEGATRON), gpus=2, gpus_reason=TWO_RANKS_ONE_GPU,
+        ),
+        Part("weight_sync", ("tools.bench", "weight_sync", *shape, *results),
+             needs=MEGATRON + VLLM),
         Part(
             "logprob_gap_bf16",
             ("tools.logprob_diff", "--hf-dir", tiny, "--vllm-dtype", "bfloat16", "--prompts", "8"),
-            needs=VLLM,
+            needs=MEGATRON + VLLM, tiny_model=True,
         ),
         Part(
             "sleep_wake",
-            (
-                "megatron_rl.launch", "--nproc-per-node=1", "-m", "megatron_rl.cli.train",
-                "--config", "examples/tiny/grpo.yaml", f"model.path={tiny}",
-                f"trainer.output_dir={work / 'run'}", "trainer.total_steps=2",
-                "parallel.tensor_model_parallel_size=1", "model.precision.params_dtype=bfloat16",
+            trainer(
+                "run_vllm", "examples/tiny/grpo.yaml", "parallel.tensor_model_parallel_size=1",
                 "actor.grad_offload=true",
             ),
-            needs=VLLM,
-            artifacts=("run/memory_timeline.jsonl",),
+            needs=MEGATRON + VLLM, artifacts=timeline("run_vllm"), tiny_model=True,
         ),
     ]  # fmt: skip
 
 
-def environment() -> dict:
+def cuda_devices() -> int:
     import torch
 
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "packages": {
-            m: importlib.util.find_spec(m) is not None
-            for m in ("megatron.core", "transformer_engine", "vllm")
-        },
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env["device"] = {
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "memory_gib": round(props.total_memory / 1024**3, 1),
-        }
-    return env
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_part(part: Part, work: Path) -> dict:
-    missing = [m for m in part.needs if importlib.util.find_spec(m) is None]
+def skip_reason(part: Part, devices: int) -> str | None:
+    """Why `part` cannot run here (every reason, '; '-joined), or None."""
+    reasons = []
+    if part.gpus and devices == 0:
+        reasons.append("no CUDA device")
+    elif part.gpus > devices:
+        why = f": {part.gpus_reason}" if part.gpus_reason else ""
+        reasons.append(f"needs {part.gpus} CUDA devices, this machine has {devices}{why}")
+    missing = [m for m in part.needs if not _installed(m)]
     if missing:
-        return {"status": "skipped", "reason": f"needs {', '.join(missing)} (not installed)"}
-    start = time.perf_counter()
+        reasons.append(f"needs {', '.join(missing)} (not installed)")
+    return "; ".join(reasons) or None
+
+
+def _installed(module: str) -> bool:
     try:
-        done = subprocess.run(
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def json_lines(text: str) -> list:
+    """The JSON objects among the lines of `text` (benchmarks print one line each)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a log line that only looks like JSON
+    return found
+
+
+def run_part(part: Part, work: Path, log: Path) -> dict:
+    """Run one part with its time limit, its output streamed to `log`; its report record."""
+    from megatron_rl.launch import kill_tree
+
+    record: dict = {"command": "python -m " + " ".join(part.argv), "log": str(log)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    with log.open("w") as out:
+        out.write(f"$ {record['command']}\n")
+        out.flush()
+        # A session of its own: on a timeout the whole tree goes (torchrun's workers too).
+        proc = subprocess.Popen(
             [sys.executable, "-m", *part.argv],
-            capture_output=True,
-            text=True,
-            timeout=part.timeout_s,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        return {"status": "timeout", "seconds": part.timeout_s}
-    out = {
-        "status": "passed" if done.returncode == 0 else "failed",
-        "returncode": done.returncode,
-        "seconds": round(time.perf_counter() - start, 1),
-        # Benchmarks and tools print one JSON line each: those are the measurements.
-        "results": [json.loads(ln) for ln in done.stdout.splitlines() if ln.startswith("{")],
-        "output_tail": (done.stdout + done.stderr)[-3000:],
-    }
+        try:
+            proc.wait(timeout=part.timeout_s)
+            status = "passed" if proc.returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            proc.wait()
+            status = "timeout"
+    record["status"] = status
+    record["returncode"] = proc.returncode
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    if status == "timeout":
+        record["reason"] = f"killed after its limit of {part.timeout_s} s"
+    text = log.read_text(errors="replace")
+    record["results"] = json_lines(text)
+    record["output_tail"] = text[-3000:]
+    artifacts = {}
     for name in part.artifacts:
         path = work / name
         if path.exists():
-            out[name] = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    return out
+            artifacts[Path(name).name] = json_lines(path.read_text(errors="replace"))
+    if artifacts:
+        record["artifacts"] = artifacts
+    return record
 
 
-def main(argv=None) -> int:
+def load_report(path: Path) -> dict:
+    """The report to merge into: `path`'s, or a new one."""
+    if not path.exists():
+        return {"date": None, "env": None, "parts": {}}
+    try:
+        report = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); move it away to start anew") from e
+    if not isinstance(report, dict) or not isinstance(report.get("parts"), dict):
+        raise ValueError(f"{path}: expected a campaign report, an object with a 'parts' object")
+    return report
+
+
+def write_report(path: Path, report: dict) -> None:
+    """Write atomically: a reader (or a window that ends now) sees the old or the new file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
+    """Run `plan` in order, rewriting out_dir/report.json after each part."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / "report.json"
+    report = load_report(report_path)
+    devices = cuda_devices()
+    for part in plan:
+        reason = skip_reason(part, devices)
+        if reason:
+            record = {"status": "skipped", "reason": reason}
+        else:
+            print(f"gpu_campaign: {part.name} (limit {part.timeout_s} s) ...", flush=True)
+            if part.tiny_model and not (work / "tiny").exists():
+                from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
+
+                make_tiny_model(work / "tiny", TinyModelSpec())
+            record = run_part(part, work, out_dir / f"{part.name}.log")
+        record["finished"] = _now()
+        report["parts"][part.name] = record
+        if part.name == "env" and record["status"] == "passed" and record["results"]:
+            report["env"] = record["results"][-1]
+        report["date"] = record["finished"]
+        write_report(report_path, report)
+        print(f"gpu_campaign: {part.name}: {record['status']} {reason or ''}".rstrip(), flush=True)
+    return report
+
+
+def copy_results(out_dir: Path, names: Sequence[str], dest: Path) -> None:
+    """report.json and the logs of `names` only: a device call brings back at most 8 files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in [out_dir / "report.json", *(out_dir / f"{n}.log" for n in names)]:
+        if path.exists():
+            shutil.copy2(path, dest / path.name)
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+def describe(part: Part) -> str:
+    needs = ",".join(part.needs) or "-"
+    return f"{part.name:<24} {part.timeout_s:>4}s gpus={part.gpus} needs={needs:<40} python -m {' '.join(part.argv)}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/gpu_campaign.json")
-    p.add_argument("--only", nargs="*", help="part names (default: all)")
+    p.add_argument("--out-dir", default="bench/gpu_campaign", help="report.json and logs")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="part names (default: all)")
     p.add_argument("--list", action="store_true", help="print the parts and exit")
+    p.add_argument(
+        "--copy-to",
+        metavar="DIR",
+        help="then copy report.json and this run's logs there (the device call's $OUT)",
+    )
     a = p.parse_args(argv)
+    names = [x.name for x in parts(Path("$WORK"))]
+    unknown = sorted(set(a.only or ()) - set(names))
+    if unknown:
+        p.error(f"unknown part(s) {unknown}; parts: {names}")
+    if a.list:
+        for x in parts(Path("$WORK")):
+            print(describe(x))
+        return 0
     with tempfile.TemporaryDirectory(prefix="gpu_campaign_") as tmp:
-        work = Path(tmp)
-        plan = parts(work)
-        names = [x.name for x in plan]
-        unknown = sorted(set(a.only or ()) - set(names))
-        if unknown:
-            p.error(f"unknown part(s) {unknown}; parts: {names}")
-        if a.list:
-            for x in plan:
-                print(f"{x.name:<18} python -m {' '.join(x.argv)}")
-            return 0
-        import torch
-
-        if not torch.cuda.is_available():
-            print("gpu_campaign: no CUDA device here; run it where a GPU is lent", file=sys.stderr)
-            return 2
-        from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
-
-        make_tiny_model(work / "tiny", TinyModelSpec())
-        report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "env": environment(), "parts": {}}
-        for part in plan:
-            if a.only and part.name not in a.only:
-                continue
-            print(f"gpu_campaign: {part.name} ...", flush=True)
-            report["parts"][part.name] = run_part(part, work)
-            print(f"gpu_campaign: {part.name}: {report['parts'][part.name]['status']}", flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_name(f".{out.name}.tmp")
-    tmp_out.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp_out, out)
-    print(f"gpu_campaign: report in {out}")
-    return 0 if all(r["status"] in ("passed", "skipped") for r in report["parts"].values()) else 1
+        chosen = [x for x in parts(Path(tmp)) if not a.only or x.name in a.only]
+        report = run_campaign(chosen, Path(a.out_dir), Path(tmp))
+    print(f"gpu_campaign: report in {Path(a.out_dir) / 'report.json'}")
+    if a.copy_to:
+        copy_results(Path(a.out_dir), [x.name for x in chosen], Path(a.copy_to))
+    ran = [report["parts"][x.name]["status"] for x in chosen]
+    return 0 if all(s in ("passed", "skipped") for s in ran) else 1
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@
 config.json / checkpoint directory. Comma lists (--tp, --pp, --dp, --recompute,
 --vllm-gpu-memory-utilization, --micro-batch-size) sweep every combination and print one
 markdown row each; a single combination also prints its breakdown. --recipe takes layout,
-lengths, batch sizes, optimizer sharding, recompute, critic/reference and vLLM settings from
-a training YAML. The formulas: `megatron_rl/memory_plan.py`.
+lengths, batch sizes, optimizer sharding, recompute, critic/reference, offload and vLLM
+settings from a training YAML. --offload params,grads,optimizer (or state keys such as
+critic_weights; none for nothing) says what leaves the device while vLLM generates, for
+every role that has it, in place of the recipe's. The formulas: `megatron_rl/memory_plan.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import sys
 
 from megatron_rl.memory_plan import (
+    OFFLOADABLE,
     GiB,
     MemoryPlanConfig,
     PlanError,
@@ -39,6 +42,35 @@ def _list(kind):
 
 def _recompute(text: str) -> str | None:
     return None if text in ("none", "") else text
+
+
+def recipe_offload(c) -> tuple[str, ...]:
+    """`MemoryPlanConfig.offload` of a TrainConfig's *_offload settings."""
+    asked = {
+        "actor_weights": c.actor.param_offload,
+        "actor_grads": c.actor.grad_offload,
+        "actor_optimizer": c.actor.optimizer_offload,
+        "critic_weights": c.use_critic and c.critic.param_offload,
+        "critic_grads": c.use_critic and c.critic.grad_offload,
+        "critic_optimizer": c.use_critic and c.critic.optimizer_offload,
+        "reference_weights": c.use_reference and c.actor.ref_param_offload,
+    }
+    return tuple(k for k, on in asked.items() if on)
+
+
+def offload_keys(text: str, critic: bool, reference: bool) -> tuple[str, ...]:
+    """--offload: kinds (params, grads, optimizer) for every role the plan has, or state keys."""
+    kinds = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
+    roles = ["actor"] + ["critic"] * critic + ["reference"] * reference
+    out = []
+    for item in filter(None, text.split(",")):
+        if item == "none":
+            continue
+        if item in kinds:
+            out += [f"{r}_{kinds[item]}" for r in roles if kinds[item] in OFFLOADABLE[r]]
+        else:
+            out.append(item)  # a state key, checked by MemoryPlanConfig
+    return tuple(dict.fromkeys(out))
 
 
 def recipe_settings(path: str) -> dict:
@@ -64,6 +96,7 @@ def recipe_settings(path: str) -> dict:
         reference=c.use_reference,
         vllm_gpu_memory_utilization=c.rollout.gpu_memory_utilization,
         vllm_tensor_parallel_size=c.rollout.vllm_tensor_parallel_size,
+        offload=recipe_offload(c),
     )
 
 
@@ -71,10 +104,18 @@ def breakdown(plan) -> str:
     lines = [f"  {k:<22} {v / GiB:8.2f} GiB" for k, v in plan.states.items()]
     lines += [f"  {k + '_activations':<22} {v / GiB:8.2f} GiB" for k, v in plan.activations.items()]
     lines.append(f"  {'vllm (generation)':<22} {plan.vllm_bytes / GiB:8.2f} GiB")
+    away = ", ".join(plan.config.offload) or "nothing"
+    lines.append(f"  offloaded while generating: {away} ({plan.offloaded_bytes / GiB:.2f} GiB)")
+    usable = plan.usable_bytes
+    for name, n in (("train", plan.train_bytes), ("rollout", plan.rollout_bytes)):
+        lines.append(
+            f"  {name} phase {n / GiB:6.2f} GiB, margin {(usable - n) / GiB:6.2f} GiB "
+            f"to the usable {usable / GiB:.2f} GiB"
+        )
     lines.append(
-        f"  train phase {plan.train_bytes / GiB:.2f} GiB, rollout phase "
-        f"{plan.rollout_bytes / GiB:.2f} GiB; usable {plan.usable_bytes / GiB:.2f} GiB of "
-        f"{plan.config.gpu_memory_gib} -> {'fits' if plan.fits else 'DOES NOT FIT'}"
+        f"  peak {plan.peak_bytes / GiB:.2f} GiB of {plan.config.gpu_memory_gib} "
+        f"(- {plan.config.reserved_gib} reserved), margin {plan.margin_bytes / GiB:.2f} GiB "
+        f"-> {'fits' if plan.fits else 'DOES NOT FIT'}"
     )
     return "\n".join(lines + [f"  note: {n}" for n in plan.notes])
 
@@ -115,6 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--vllm-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--reserved-gib", type=float, default=4.0)
+    p.add_argument(
+        "--offload",
+        help="params,grads,optimizer (every role that has them) or state keys "
+        "(actor_weights, critic_optimizer, ...); none: nothing. Default: the recipe's",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per combination")
     p.add_argument(
         "--check-cpu",
@@ -151,6 +197,10 @@ def main(argv=None) -> int:
         "reserved_gib": a.reserved_gib,
     }
     base.update({k: v for k, v in scalars.items() if v is not None})
+    if a.offload is not None:
+        base["offload"] = offload_keys(
+            a.offload, base.get("critic", True), base.get("reference", False)
+        )
     sweeps = {
         "tensor_model_parallel_size": a.tp,
         "pipeline_model_parallel_size": a.pp,

@@ -3,7 +3,8 @@ checkpoint (reshards on load: resume at another TP/PP/DP layout; exports with
 `checkpoints_convert.megatron_to_hf`), every rank's RNG state, and the trainer state (step,
 stage, data position), written atomically and pruned to the last K.
 
-    output_dir/checkpoints/step_000004/actor/   megatron_rl.json, model/, hf_meta/
+    output_dir/checkpoints/step_000004/actor/   megatron_rl.json, model/, hf_meta/,
+                                               lr_scheduler.json
                                       critic/  (when trained)
                                       rng/rank_00000.pt ...
                                       trainer_state.json, config.yaml
@@ -42,7 +43,10 @@ from megatron_rl.models.dist_checkpoint import (
     write_metadata,
 )
 from megatron_rl.models.source import ModelSource
-from megatron_rl.workers.optimizer import apply_hyperparameters
+from megatron_rl.workers.optimizer import apply_hyperparameters, restore_schedule
+
+LR_SCHEDULER = "lr_scheduler.json"
+"""A role's learning-rate schedule: its update count and what it was configured with."""
 
 
 def rng_state() -> dict:
@@ -73,25 +77,29 @@ def set_rng_state(state: dict) -> None:
 def save_roles(out: Path, roles: dict, sources: dict[str, str], layout: dict | None) -> None:
     """Each trained role (name -> TrainableRole or None) as `out/<name>/`: a megatron
     distributed checkpoint of its model and optimizer (`models.dist_checkpoint`), with the
-    metadata and Hugging Face side files `checkpoints_convert.megatron_to_hf` exports from."""
+    metadata and Hugging Face side files `checkpoints_convert.megatron_to_hf` exports from,
+    and its learning-rate schedule."""
     for name, role in roles.items():
         if role is None:
             continue
         save_role(role.chunks, role.optimizer, out / name)
         if torch.distributed.get_rank() == 0:
             write_metadata(out / name, name, role.arch, saved_layout=layout, source=sources[name])
+            (out / name / LR_SCHEDULER).write_text(json.dumps(role.scheduler.state_dict()) + "\n")
             copy_side_files(ModelSource(sources[name]).hf_dir, out / name / HF_META_SUBDIR)
 
 
 def load_roles(path: Path, roles: dict) -> None:
     """Load each role at this run's layout (any TP/PP/DP: the shards reshard); the config's
-    optimizer settings replace the checkpoint's, and each change is printed. An unreadable
-    role directory is a CorruptCheckpoint naming it."""
+    optimizer settings replace the checkpoint's, and each change is printed; the learning-rate
+    schedule continues from the checkpoint's update count. An unreadable role directory is a
+    CorruptCheckpoint naming it."""
     for name, role in roles.items():
         if role is None:
             continue
         if not (path / name / METADATA).exists():
             raise ValueError(f"checkpoint {path}: has no {name} state but this run trains a {name}")
+        role.restore_offloaded()  # a checkpoint loads into the state where it trains
         try:
             load_role(role.chunks, role.optimizer, path / name)
         # A truncated or missing shard file: the checkpoint is unusable. torch's
@@ -102,6 +110,15 @@ def load_roles(path: Path, roles: dict) -> None:
                 f"(rank {torch.distributed.get_rank()}): {type(e).__name__}: {e}"
             ) from e
         changed = apply_hyperparameters(role.optimizer, role.optim)
+        schedule = path / name / LR_SCHEDULER
+        saved = json.loads(schedule.read_text()) if schedule.exists() else None
+        changed += restore_schedule(role.scheduler, saved)
+        if saved is None and torch.distributed.get_rank() == 0:
+            print(
+                f"resume: {path}/{name} has no {LR_SCHEDULER} (saved before learning-rate "
+                "schedules): the schedule starts at update 0",
+                flush=True,
+            )
         if changed and torch.distributed.get_rank() == 0:
             print(
                 f"resume: {name} optimizer settings from the config, not {path}: "

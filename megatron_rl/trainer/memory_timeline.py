@@ -9,6 +9,11 @@ is the peak of one phase. Each phase records:
   phase's end).
 Rank 0 appends one row per phase to output_dir/memory_timeline.jsonl, and the step's metrics
 get `memory/<phase>_peak_gib`.
+
+Hand-offs: before the rollout engine wakes, `release_cached_blocks` gives the blocks PyTorch's
+caching allocator keeps back to the driver, and on GPU records a row {"hand_off": before,
+"reserved_gib_before", "reserved_gib_after"} (metric `memory/<before>_released_gib`). On CPU
+there is no such cache (vLLM's KV cache is its own host memory): no call, no row.
 """
 
 from __future__ import annotations
@@ -57,6 +62,24 @@ def _peak_bytes(reset_worked: bool) -> dict[str, float]:
     return {"peak_gib": (kib or 0) * 1024 / GIB}
 
 
+def release_cached_blocks() -> tuple[int, int] | None:
+    """Give the blocks PyTorch's CUDA allocator caches back to the driver; (reserved bytes
+    before, after), or None without CUDA.
+
+    Why: vLLM's sleep-mode pool (its weights and KV cache) is mapped with the CUDA driver's
+    own calls, outside PyTorch's allocator, and it sizes the KV cache from the device's free
+    memory at start-up. Blocks PyTorch caches after a training phase are free to torch but
+    used to the driver: left cached, they make the KV cache's wake-up run out of memory
+    although no tensor holds them. (vllm 0.32's allocator empties the cache in its wake-up
+    too, unsynchronised; not every release does, and here the timeline sees how much.)"""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()  # no kernel may still use a block that is handed back
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    return before, torch.cuda.memory_reserved()
+
+
 class MemoryTimeline:
     def __init__(self, path: Path | None, engine_state: Callable[[], str]):
         """`path`: the jsonl file rank 0 appends to (None on other ranks);
@@ -79,11 +102,33 @@ class MemoryTimeline:
             }
         )
 
+    def release_cached_blocks(self, before: str) -> None:
+        """`release_cached_blocks` before the engine step `before` (e.g. "wake_kv_cache"),
+        with a row saying what PyTorch had reserved before and after (GPU only)."""
+        reserved = release_cached_blocks()
+        if reserved is not None:
+            self.rows.append(
+                {
+                    "hand_off": before,
+                    "engine": self.engine_state(),
+                    "reserved_gib_before": reserved[0] / GIB,
+                    "reserved_gib_after": reserved[1] / GIB,
+                }
+            )
+
     def end_step(self, step: int, stage: str) -> dict[str, float]:
-        """The step's `memory/<phase>_peak_gib` metrics; rank 0 writes the step's rows."""
+        """The step's `memory/<phase>_peak_gib` (and `memory/<hand_off>_released_gib`)
+        metrics; rank 0 writes the step's rows."""
         rows, self.rows = self.rows, []
         if self.path is not None and rows:
             with self.path.open("a") as f:
                 for row in rows:
                     f.write(json.dumps({"stage": stage, "step": step, **row}) + "\n")
-        return {f"memory/{r['phase']}_peak_gib": r["peak_gib"] for r in rows}
+        out = {}
+        for r in rows:
+            if "phase" in r:
+                out[f"memory/{r['phase']}_peak_gib"] = r["peak_gib"]
+            else:
+                released = r["reserved_gib_before"] - r["reserved_gib_after"]
+                out[f"memory/{r['hand_off']}_released_gib"] = released
+        return out

@@ -46,7 +46,7 @@ def rewind_jsonl(path: Path, keep) -> int:
 
 ACTOR_KEYS = (
     "pg_loss", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_lower",
-    "ppo_kl", "entropy", "nll_loss", "kl_loss", "grad_norm", "micro_batches",
+    "ppo_kl", "entropy", "nll_loss", "kl_loss", "grad_norm", "lr", "micro_batches",
     "skipped_nonfinite", "update_ok", "num_updates", "skipped_update",
 )  # fmt: skip
 RENAMED = {

@@ -25,6 +25,7 @@ from megatron_rl.config import (
     ConfigError,
     TrainConfig,
     rollout_layout,
+    scheduled_optim,
     to_dict,
     validate_config,
 )
@@ -39,6 +40,7 @@ from megatron_rl.parallel.collectives import (
     reduce_over_ranks,
 )
 from megatron_rl.preemption import STOP
+from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
@@ -168,8 +170,9 @@ class RLTrainer:
         recompute = c.model.recompute
         temperature = c.rollout.temperature
         self.actor = Actor(
-            arch, layout, c.model.path, precision, c.actor.optim, recompute, temperature
-        )
+            arch, layout, c.model.path, precision, scheduled_optim(c, "actor"), recompute,
+            temperature,
+        )  # fmt: skip
         self.reference = (
             ReferencePolicy(arch, layout, c.model.path, precision, temperature)
             if c.use_reference
@@ -180,8 +183,9 @@ class RLTrainer:
             critic_path = c.model.critic_path or c.model.path
             critic_arch = ModelSource(critic_path).architecture()
             self.critic = Critic(
-                critic_arch, layout, critic_path, precision, c.critic.optim, recompute
-            )
+                critic_arch, layout, critic_path, precision, scheduled_optim(c, "critic"),
+                recompute,
+            )  # fmt: skip
         r = c.rollout
         if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:
             print(
@@ -196,7 +200,11 @@ class RLTrainer:
         if stale:
             print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
         engines = rollout_layout(c, self.ctx.world_size)
-        engine = VLLMEngine(
+        # The engine sizes its KV cache from the device memory free now: what the config
+        # offloads leaves first (a sync, a resume or a save reads the chunks: they come back).
+        self.offload_for_rollout()
+        # rollout.name=hf: a plain HF model per rank, no vLLM import (`rollout/hf_engine.py`)
+        engine = (HFEngine if r.name == "hf" else VLLMEngine)(
             policy_source.hf_dir,
             EngineConfig(
                 tensor_parallel_size=engines.vllm_tensor_parallel_size,
@@ -259,6 +267,7 @@ class RLTrainer:
         STOP.install()  # again: `megatron_rl.cli.train` installs it first thing
         if t.resume:
             self.resume_from_newest()
+        self.offload_for_rollout()  # the first rollout runs as every later one
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -319,13 +328,60 @@ class RLTrainer:
             )
         return groups, metrics
 
+    def offload(self, name: str, params: bool = True) -> None:
+        """Role `name` (actor, critic, reference) moves what its config asks to host memory:
+        `param_offload` (the reference's: actor.ref_param_offload), `grad_offload`,
+        `optimizer_offload`. The parameters come back with the role's next use of its
+        chunks, the rest with its next update. Called after each role's last use before
+        the rollout: the reference after the experience, the critic after its update, the
+        actor after the weight sync (gradients and optimizer after its update)."""
+        role = {"actor": self.actor, "critic": self.critic, "reference": self.reference}[name]
+        if role is None:
+            return
+        if name == "reference":
+            if self.config.actor.ref_param_offload:
+                role.offload_params()
+            return
+        cfg = getattr(self.config, name)
+        role.offload(cfg.grad_offload, cfg.optimizer_offload, params and cfg.param_offload)
+
     def offload_trained_roles(self) -> None:
-        """`actor/critic.grad_offload`, `optimizer_offload`: until their next update (which
-        brings them back), what only training needs leaves the device for vLLM."""
-        for name, role in self.trained_roles.items():
-            if role is not None:
-                cfg = getattr(self.config, name)
-                role.offload(grads=cfg.grad_offload, optimizer=cfg.optimizer_offload)
+        """After the updates: the actor keeps its parameters for the weight sync."""
+        self.offload("actor", params=False)
+        self.offload("critic")
+
+    def offload_for_rollout(self) -> None:
+        for name in ("actor", "critic", "reference"):
+            self.offload(name)
+
+    def offloaded_param_gib(self) -> float:
+        """What `param_offload` keeps in host memory now (the next rollout runs without it)."""
+        roles = (self.actor, self.critic, self.reference)
+        return sum(r.offloaded_param_bytes for r in roles if r is not None) / 2**30
+
+    def wake_engine(self, tags: tuple[str, ...] = ("weights", "kv_cache"), why: str = "") -> None:
+        """Wake the engine's `tags`, once PyTorch's allocator has given its cached blocks
+        back (`memory_timeline.release_cached_blocks` says why), recorded as hand-off
+        `wake_<tags>` (`why`: a prefix naming the occasion)."""
+        self.memory.release_cached_blocks(f"{why}wake_{'+'.join(tags)}")
+        self.engine.wake_up(tags)
+
+    @contextmanager
+    def roles_resident(self):
+        """For a save: the parameters come back to the device (reading a role's chunks
+        brings them) and leave again after. With parameter offload the engine sleeps
+        meanwhile (level 1: its weights wait in host memory), so they have the room they
+        have in training, not just what generation leaves."""
+        c = self.config
+        moving = c.actor.param_offload or c.actor.ref_param_offload or c.critic.param_offload
+        if moving:
+            self.engine.sleep(level=1)
+        try:
+            yield
+        finally:
+            if moving:
+                self.offload_for_rollout()
+                self.wake_engine(why="save_")
 
     def _minibatch_plan(self) -> tuple[int, int]:
         a = self.config.actor
@@ -372,7 +428,9 @@ class RLTrainer:
     def train_step(self) -> dict[str, float]:
         """One PPO/GRPO/... step: rollout; the engine sleeps (KV cache freed, weights dropped)
         while Megatron computes the experience and trains; it wakes its weights for the sync,
-        then its KV cache for the next rollout."""
+        then its KV cache for the next rollout. What the config offloads (`offload`) leaves
+        after each role's last use and is back for the next experience; PyTorch's cached
+        blocks go before each wake-up (`wake_engine`)."""
         c, step = self.config, self.step
         t0 = time.perf_counter()
         with self.phase("rollout"):
@@ -393,6 +451,7 @@ class RLTrainer:
                 c,
                 self.pad_token_id,
             )
+        self.offload("reference")  # unused until the next experience
         t2 = time.perf_counter()
         metrics.update(exp_metrics)
         with self.phase("train"):
@@ -400,10 +459,11 @@ class RLTrainer:
         t3 = time.perf_counter()
         from megatron_rl.sync.weight_sync import sync_weights
 
-        self.engine.wake_up(("weights",))
+        self.wake_engine(("weights",))
         with self.phase("sync"):
             sync_weights(self.actor, self.engine)
-        self.engine.wake_up(("kv_cache",))
+        self.offload("actor")  # its parameters: unused until the next experience
+        self.wake_engine(("kv_cache",))
         t4 = time.perf_counter()
         tokens = float(
             batch.response_mask.sum()
@@ -420,6 +480,7 @@ class RLTrainer:
             }
         )
         self.step += 1
+        metrics["memory/params_offloaded_gib"] = self.offloaded_param_gib()
         metrics.update(self.memory.end_step(self.step, "train"))
         return peer_names(reduce_over_ranks(metrics))
 
@@ -436,8 +497,9 @@ class RLTrainer:
         self.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
         with self.phase("train"):
             metrics.update(self._value_pretrain_update(groups, step))
-        self.engine.wake_up()
+        self.wake_engine()
         self.value_pretrain_step += 1
+        metrics["memory/params_offloaded_gib"] = self.offloaded_param_gib()
         metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
         return peer_names(reduce_over_ranks(metrics))
 
@@ -562,7 +624,10 @@ class RLTrainer:
         config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)
         # Checkpoints are numbered by progress over both stages, so the newest sorts last.
         progress = self.value_pretrain_step + self.step
-        path = self.checkpoints.save(progress, write_roles, rng_state(), trainer_state, config_yaml)
+        with self.roles_resident():
+            path = self.checkpoints.save(
+                progress, write_roles, rng_state(), trainer_state, config_yaml
+            )
         if self.ctx.rank == 0:
             print(f"saved checkpoint {path}", flush=True)
 
@@ -573,12 +638,13 @@ class RLTrainer:
 
         out = Path(self.config.trainer.output_dir) / HF_EXPORTS / f"step_{self.step:06d}"
         meta_dir = ModelSource(self.config.model.path).hf_dir
-        save_hf_export(
-            out,
-            lambda tmp: save_hf_pretrained(
-                self.actor.chunks, self.actor.arch, "actor", meta_dir, tmp
-            ),
-        )
+        with self.roles_resident():
+            save_hf_export(
+                out,
+                lambda tmp: save_hf_pretrained(
+                    self.actor.chunks, self.actor.arch, "actor", meta_dir, tmp
+                ),
+            )
         if self.ctx.rank == 0:
             print(f"saved Hugging Face model {out}", flush=True)
         return out

@@ -1,11 +1,19 @@
-"""The optimizer of a trainable role: megatron DDP around its model chunks and megatron's
-AdamW (gradient clipping over every TP/PP/DP shard)."""
+"""The optimizer of a trainable role: megatron DDP around its model chunks, megatron's AdamW
+(gradient clipping over every TP/PP/DP shard) and megatron's learning-rate schedule
+(`OptimizerParamScheduler`: linear warm-up, then constant, linear or cosine decay to a minimum).
+
+The schedule counts optimizer updates: megatron's iterations, the x-axis of the VAPO paper's
+Figure 1 ("5,000 update steps"). A rollout step makes ppo_epochs x (samples per step /
+ppo_mini_batch_size) of them: DAPO's warm-up over 20 rollout steps of 512 x 16 samples in
+mini-batches of 512 is lr_warmup_steps 320."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -21,10 +29,63 @@ class OptimConfig:
     """Global gradient-norm clip (over all TP/PP/DP shards)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (needs CUDA in megatron-core 0.16)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up from lr_warmup_init to lr over this many optimizer updates (0: none)."""
+    lr_warmup_init: float = 0.0
+    """The learning rate of the first update of a warm-up."""
+    lr_decay_style: str = "constant"
+    """After the warm-up: constant (lr), or linear / cosine from lr down to min_lr at
+    lr_decay_steps, min_lr after that (verl's and megatron's names)."""
+    lr_decay_steps: int | None = None
+    """Updates by which a linear or cosine decay reaches min_lr; None: the run's last update
+    (`resolve_lr_decay_steps`)."""
+    min_lr: float = 0.0
+    """Where a linear or cosine decay ends."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(
+                f"optim.lr_decay_style {self.lr_decay_style!r}: expected one of {LR_DECAY_STYLES}"
+            )
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"optim.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError(
+                f"optim.lr_warmup_init must be in [0, lr={self.lr}], got {self.lr_warmup_init}"
+            )
+        if self.lr_decay_style == "constant":
+            # Nothing would read them: refuse rather than ignore.
+            for name, unused in (("min_lr", self.min_lr), ("lr_decay_steps", self.lr_decay_steps)):
+                if unused:
+                    raise ValueError(
+                        f"optim.{name}={unused} has no effect with lr_decay_style constant; "
+                        "use linear or cosine, or leave it out"
+                    )
+        elif not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"optim.lr_decay_steps ({self.lr_decay_steps}) must be greater than "
+                f"lr_warmup_steps ({self.lr_warmup_steps})"
+            )
+
+
+def resolve_lr_decay_steps(optim: OptimConfig, total_updates: int) -> OptimConfig:
+    """`optim` with lr_decay_steps set to the run's `total_updates` where it was left None.
+    A warm-up the run never finishes is refused: its schedule would never reach lr."""
+    if optim.lr_warmup_steps >= total_updates and optim.lr_warmup_steps:
+        raise ValueError(
+            f"optim.lr_warmup_steps ({optim.lr_warmup_steps}) is not below the run's "
+            f"{total_updates} optimizer updates: the learning rate would never reach lr"
+        )
+    if optim.lr_decay_steps is not None or optim.lr_decay_style == "constant":
+        return optim
+    return replace(optim, lr_decay_steps=total_updates)
 
 
 def wrap_ddp_and_optimizer(chunks: list, optim: OptimConfig):
-    """Wrap chunks in megatron DDP and build the optimizer; returns (ddp_chunks, optimizer)."""
+    """Wrap chunks in megatron DDP and build the optimizer and its learning-rate schedule;
+    returns (ddp_chunks, optimizer, scheduler)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -63,6 +124,7 @@ def wrap_ddp_and_optimizer(chunks: list, optim: OptimConfig):
             adam_beta2=optim.adam_beta2,
             adam_eps=optim.adam_eps,
             clip_grad=optim.clip_grad,
+            min_lr=optim.min_lr,
             bf16=config.bf16,
             params_dtype=config.params_dtype,
             use_distributed_optimizer=optim.use_distributed_optimizer,
@@ -72,19 +134,74 @@ def wrap_ddp_and_optimizer(chunks: list, optim: OptimConfig):
         use_gloo_process_groups=torch.cuda.is_available(),
     )
     apply_hyperparameters(optimizer, optim)
-    return wrapped, optimizer
+    return wrapped, optimizer, lr_scheduler(optimizer, optim)
+
+
+def lr_scheduler(optimizer, optim: OptimConfig):
+    """megatron-core's OptimizerParamScheduler for `optim` (its lr_decay_steps resolved);
+    `step(1)` after every optimizer update sets each param group's lr (and weight decay, times
+    the group's `wd_mult`: none on biases and norms)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    # megatron needs decay steps past the warm-up even where the style never decays.
+    decay_steps = optim.lr_decay_steps or optim.lr_warmup_steps + 1
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=optim.lr_warmup_init,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        # What a run is configured with wins over what its checkpoint was (`restore_schedule`).
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate the schedule set for this update (megatron's canonical one)."""
+    from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+    return get_canonical_lr_for_logging(optimizer.param_groups)
+
+
+def restore_schedule(scheduler, saved: dict | None) -> list[str]:
+    """Continue `scheduler` (built from this run's config) from the update count of a
+    checkpoint's schedule (`saved`; None: the checkpoint predates schedules, counted from 0).
+    The config's warm-up and decay win, like every optimizer setting on resume; the returned
+    "name: old -> new" lines say which differ from the checkpoint's (the bounds, max_lr and
+    min_lr, are `apply_hyperparameters`' to report)."""
+    now = scheduler.state_dict()
+    keys = ["lr_warmup_steps", "lr_decay_style"]
+    if now["lr_decay_style"] != "constant":  # else its decay steps are a placeholder
+        keys.append("lr_decay_steps")
+    changed = [
+        f"{key}: {saved[key]} -> {now[key]}"
+        for key in keys
+        if saved is not None and key in saved and saved[key] != now[key]
+    ]
+    scheduler.num_steps = 0 if saved is None else int(saved["num_steps"])
+    scheduler.step(0)  # sets every group's lr (the optimizer's state brought back the saved one)
+    return changed
 
 
 def apply_hyperparameters(optimizer, optim: OptimConfig) -> list[str]:
-    """Set every param group's lr, weight decay, betas and eps from `optim`, with megatron's
-    per-group multipliers (`wd_mult` 0: no weight decay on biases and norms, as megatron-LM's
-    scheduler sets it; this trainer runs without that scheduler). Called when the optimizer
-    is built and again after a checkpoint's state is loaded, whose param groups would bring
-    back the saved values: the config wins. Returns "name: old -> new" per changed value."""
+    """Set every param group's schedule bounds (max_lr, min_lr: the scheduler multiplies
+    neither), weight decay, betas and eps from `optim`, with megatron's per-group `wd_mult`
+    (0: no weight decay on biases and norms). Called when the optimizer is built and again
+    after a checkpoint's state is loaded, whose param groups would bring back the saved
+    values: the config wins. The lr itself is the scheduler's (`restore_schedule`). Returns
+    "name: old -> new" per changed value."""
     changed: dict[str, tuple] = {}
     for group in optimizer.param_groups:
         wanted = {
-            "lr": optim.lr * group.get("lr_mult", 1.0),
+            "max_lr": optim.lr,
+            "min_lr": optim.min_lr,
             "weight_decay": optim.weight_decay * group.get("wd_mult", 1.0),
             "betas": (optim.adam_beta1, optim.adam_beta2),
             "eps": optim.adam_eps,

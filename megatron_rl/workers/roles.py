@@ -15,7 +15,8 @@ from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
 from megatron_rl.parallel.collectives import data_parallel_sum, global_token_counts
 from megatron_rl.platform import ParallelLayout
-from megatron_rl.workers.optimizer import OptimConfig, wrap_ddp_and_optimizer
+from megatron_rl.workers.offload import ParamOffload
+from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
 
 BATCH_SHARES = frozenset({
@@ -39,16 +40,38 @@ class MegatronRole:
         chunks: list,
         precision: PrecisionConfig | None = None,
     ):
-        self.arch, self.layout, self.chunks = arch, layout, chunks
+        self.arch, self.layout, self._chunks = arch, layout, chunks
+        self._params_away = ParamOffload()
         self.seq_multiple = sequence_multiple(layout, precision)
         # megatron's interleaved 1F1B takes micro-batches in groups of the pipeline size
         interleaved = layout.virtual_pipeline_model_parallel_size is not None
         self.count_multiple = layout.pipeline_model_parallel_size if interleaved else 1
 
     @property
+    def chunks(self) -> list:
+        """The model chunks, their parameters on the device: whoever reads them (a forward,
+        the weight sync, a checkpoint) first brings back parameters `offload_params` moved
+        to host memory; reading them while away would be undefined."""
+        self.restore_params()
+        return self._chunks
+
+    @property
     def device(self) -> torch.device:
         """Where this role's weights live: every batch it is given moves here first."""
-        return next(self.chunks[0].parameters()).device
+        return next(self._chunks[0].parameters()).device
+
+    @property
+    def offloaded_param_bytes(self) -> int:
+        """Bytes of parameters in host memory now (0 while they are on the device)."""
+        return self._params_away.nbytes if self._params_away.offloaded else 0
+
+    def offload_params(self) -> None:
+        """Move the parameters to host memory until the chunks' next use (`param_offload`;
+        `workers/offload.py`): the device memory they held is free for the rollout engine."""
+        self._params_away.offload(self._chunks)
+
+    def restore_params(self) -> None:
+        self._params_away.restore()
 
     def split(self, batch: TrainingBatch, num_microbatches: int, max_tokens: int | None):
         return split_micro_batches(
@@ -94,28 +117,33 @@ class TrainableRole(MegatronRole):
 
     def __init__(self, arch, layout, chunks, precision=None, optim: OptimConfig | None = None):
         self.optim = optim or OptimConfig()
-        wrapped, self.optimizer = wrap_ddp_and_optimizer(chunks, self.optim)
+        wrapped, self.optimizer, self.scheduler = wrap_ddp_and_optimizer(chunks, self.optim)
         super().__init__(arch, layout, wrapped, precision)
         self.offloaded: set[str] = set()
 
-    def offload(self, grads: bool = False, optimizer: bool = False) -> None:
+    def offload(self, grads: bool = False, optimizer: bool = False, params: bool = False) -> None:
         """Free memory for the rollout engine until the next update (megatron-core's RL
-        hooks; verl's grad_offload / optimizer_offload): `grads` releases the storage of the
-        DDP gradient buffers (every main_grad view stays valid and is re-allocated zeroed),
-        `optimizer` moves the optimizer's state and master weights to host memory. The next
-        `compute_gradients` brings back whatever is away."""
+        hooks; verl's grad_offload / optimizer_offload / param_offload): `grads` releases the
+        storage of the DDP gradient buffers (every main_grad view stays valid and is
+        re-allocated zeroed), `optimizer` moves the optimizer's state and master weights to
+        host memory, `params` the parameters (`offload_params`). The next
+        `compute_gradients` brings back whatever is away; any use of `chunks`, the params."""
         on_gpu = torch.cuda.is_available()
         if grads and "grads" not in self.offloaded:
-            for chunk in self.chunks:
+            for chunk in self._chunks:
                 chunk.offload_grad_buffers(synchronize=on_gpu, empty_cache=on_gpu)
             self.offloaded.add("grads")
         if optimizer and "optimizer" not in self.offloaded:
             self.optimizer.offload_to_cpu()
             self.offloaded.add("optimizer")
+        if params:
+            self.offload_params()
 
-    def _restore_offloaded(self) -> None:
+    def restore_offloaded(self) -> None:
+        """Bring back whatever `offload` moved (before an update, or a checkpoint's load)."""
+        self.restore_params()
         if "grads" in self.offloaded:
-            for chunk in self.chunks:
+            for chunk in self._chunks:
                 chunk.restore_grad_buffers(synchronize=torch.cuda.is_available())
         if "optimizer" in self.offloaded:
             self.optimizer.restore_from_cpu()
@@ -145,7 +173,7 @@ class TrainableRole(MegatronRole):
         (`split_micro_batches`); the counts are the batch's, so the gradient is the same."""
         from megatron.core import parallel_state
 
-        self._restore_offloaded()
+        self.restore_offloaded()
         batch = batch.to(self.device)
         for chunk in self.chunks:
             chunk.train()
@@ -179,6 +207,7 @@ class TrainableRole(MegatronRole):
     ) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
         metrics = self.compute_gradients(batch, cfg, num_microbatches, max_tokens)
+        metrics["lr"] = current_lr(self.optimizer)  # this update's, before the schedule moves
         # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
         # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
         self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad, what the norm reads
@@ -188,6 +217,8 @@ class TrainableRole(MegatronRole):
             metrics.update(grad_norm=norm, update_ok=False, skipped_nonfinite=1.0)
             return metrics
         ok, grad_norm, _ = self.optimizer.step()
+        if ok:  # as megatron-LM: a skipped update does not advance the schedule
+            self.scheduler.step(1)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else norm
         metrics["update_ok"] = bool(ok)
         metrics["skipped_nonfinite"] = 0.0

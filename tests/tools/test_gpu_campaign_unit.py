@@ -1,51 +1,218 @@
-"""Unit tier: the GPU campaign's plan, its refusals and its per-part records (no GPU here:
-the parts themselves run where one is lent)."""
+"""Unit tier: the GPU campaign's parts list and its report, on CPU (no GPU here: the parts
+themselves run where one is lent). The campaign runs for real: `env` and the timeout go
+through the same subprocess path as on the GPU machine."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tools import gpu_campaign
-from tools.gpu_campaign import Part, run_part
+from tools import gpu_campaign, gpu_nccl_probe
+from tools.gpu_campaign import MAX_TIMEOUT_S, REPO, STATUSES, Part, run_campaign, skip_reason
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+SLEEP = ("timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)")
+"""A part that outlives any test limit (stdlib, so it runs anywhere)."""
 
 
-def test_list_names_every_part_with_its_command(capsys):
+def modules_run(argv: tuple[str, ...]) -> list[str]:
+    """`python -m argv[0]`, and the launcher's `-m` target (pytest's `-m` is a marker)."""
+    if argv[0] != "megatron_rl.launch":
+        return [argv[0]]
+    return [argv[0], argv[argv.index("-m") + 1]]
+
+
+def files_named(argv: tuple[str, ...]) -> list[str]:
+    """Arguments that name a repository file (the work dir's are made at run time)."""
+    named = [a for a in argv if a.endswith((".py", ".yaml", ".jsonl")) and "=" not in a]
+    return [a for a in named if not a.startswith("$WORK")]
+
+
+def test_parts_have_unique_names_short_limits_and_runnable_commands():
+    plan = gpu_campaign.parts(Path("$WORK"))
+    names = [p.name for p in plan]
+    assert len(names) == len(set(names)) and names[0] == "env"
+    assert {"gpu_tests", "train_step_bf16", "trainer_hf_rollout", "worker_tp_pp"} <= set(names)
+    for part in plan:
+        assert 0 < part.timeout_s <= MAX_TIMEOUT_S <= 540, part.name
+        for module in modules_run(part.argv):
+            assert importlib.util.find_spec(module) is not None, (part.name, module)
+        for name in files_named(part.argv):
+            assert (REPO / name).is_file(), (part.name, name)
+    assert next(p for p in plan if p.name == "env").gpus == 0  # runs on CPU too
+
+
+def test_the_trainer_part_runs_two_hf_rollout_steps_in_bf16_and_keeps_its_timelines():
+    part = next(p for p in gpu_campaign.parts(Path("/w")) if p.name == "trainer_hf_rollout")
+    assert modules_run(part.argv) == ["megatron_rl.launch", "megatron_rl.cli.train"]
+    for override in ("rollout.name=hf", "trainer.total_steps=2", "model.path=/w/tiny"):
+        assert override in part.argv
+    assert "model.precision.params_dtype=bfloat16" in part.argv and "vllm" not in part.needs
+    assert part.artifacts == ("run_hf/metrics.jsonl", "run_hf/memory_timeline.jsonl")
+
+
+def test_list_prints_name_limit_needs_and_command(capsys):
     assert gpu_campaign.main(["--list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[0] for ln in lines] == [
-        "gpu_tests", "train_step_bf16", "train_step_fp8", "weight_sync", "logprob_gap_bf16",
-        "sleep_wake",
-    ]  # fmt: skip
-    assert "python -m tools.bench train_step --dtype bf16" in lines[1]
+    assert [ln.split()[0] for ln in lines] == [p.name for p in gpu_campaign.parts(Path("w"))]
+    bf16 = next(ln for ln in lines if ln.startswith("train_step_bf16"))
+    assert "540s" in bf16 and "needs=megatron.core" in bf16
+    assert "python -m tools.bench train_step --dtype bf16" in bf16
 
 
-def test_an_unknown_part_is_refused_by_name(capsys):
+def test_an_unknown_part_or_a_limit_over_540_s_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         gpu_campaign.main(["--only", "mfu"])
     assert "unknown part(s) ['mfu']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="part x: timeout_s=600, expected 1..540"):
+        Part("x", ("json.tool",), timeout_s=600)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
-def test_without_cuda_it_refuses_and_writes_no_report(tmp_path, capsys):
-    assert gpu_campaign.main(["--out", str(tmp_path / "r.json")]) == 2
-    assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
+def test_skip_reasons_name_the_missing_devices_and_modules():
+    part = Part("x", ("json.tool",), needs=("json", "no_such_module_xyz", "no_pkg_xyz.sub"))
+    assert skip_reason(part, devices=0) == (
+        "no CUDA device; needs no_such_module_xyz, no_pkg_xyz.sub (not installed)"
+    )
+    assert skip_reason(Part("y", ("json.tool",), gpus=0), devices=0) is None
+    two = Part("z", ("json.tool",), gpus=2, gpus_reason="NCCL refuses it")
+    assert (
+        skip_reason(two, devices=1) == "needs 2 CUDA devices, this machine has 1: NCCL refuses it"
+    )
+    assert skip_reason(two, devices=2) is None
+    tp_pp = next(p for p in gpu_campaign.parts(Path("w")) if p.name == "worker_tp_pp")
+    assert "Duplicate GPU detected" in skip_reason(tp_pp, devices=1)
 
 
-def test_a_part_whose_package_is_missing_is_skipped_with_the_reason(tmp_path):
-    part = Part("x", ("json.tool", "--help"), needs=("no_such_module_xyz",))
-    assert run_part(part, tmp_path) == {
-        "status": "skipped",
-        "reason": "needs no_such_module_xyz (not installed)",
-    }
+def check_report_format(report: dict) -> None:
+    assert set(report) == {"date", "env", "parts"}
+    for name, rec in report["parts"].items():
+        assert rec["status"] in STATUSES, name
+        if rec["status"] == "skipped":
+            assert rec["reason"], name
+        else:
+            assert {"seconds", "returncode", "results", "log", "command"} <= set(rec), name
+            assert isinstance(rec["results"], list) and Path(rec["log"]).is_file(), name
 
 
-def test_a_part_records_its_json_lines_status_and_artifacts(tmp_path):
-    (tmp_path / "a.jsonl").write_text('{"phase": "train", "peak_gib": 1.5}\n')
+@pytest.fixture(scope="module")
+def cpu_campaign(tmp_path_factory):
+    """`python -m tools.gpu_campaign --only env train_step_bf16`, run as a session would."""
+    out = tmp_path_factory.mktemp("campaign") / "gpu"
+    cmd = [sys.executable, "-m", "tools.gpu_campaign", "--out-dir", str(out)]
+    done = subprocess.run(
+        [*cmd, "--only", "env", "train_step_bf16"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return out, done
+
+
+@no_cuda
+def test_on_cpu_env_passes_and_the_gpu_part_is_skipped_in_a_valid_report(cpu_campaign):
+    out, done = cpu_campaign
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "report.json").read_text())
+    check_report_format(report)
+    assert list(report["parts"]) == ["env", "train_step_bf16"]
+    env, step = report["parts"]["env"], report["parts"]["train_step_bf16"]
+    assert env["status"] == "passed" and env["returncode"] == 0
+    assert env["log"] == str(out / "env.log") and "tools.gpu_env" in (out / "env.log").read_text()
+    assert report["env"] == env["results"][-1]
+    assert report["env"]["torch"] == torch.__version__ and report["env"]["devices"] == []
+    assert report["env"]["imports"]["megatron.core"] is True
+    assert step == {"status": "skipped", "reason": "no CUDA device", "finished": step["finished"]}
+    assert not (out / "train_step_bf16.log").exists()
+
+
+@no_cuda
+def test_a_second_only_run_merges_into_the_report(cpu_campaign, capsys):
+    out, _ = cpu_campaign
+    before = json.loads((out / "report.json").read_text())
+    copy = out.parent / "copy"
+    argv = ["--out-dir", str(out), "--only", "train_step_fp8", "--copy-to", str(copy)]
+    assert gpu_campaign.main(argv) == 0
+    assert sorted(p.name for p in copy.iterdir()) == ["report.json"]  # fp8 skipped: no log
+    after = json.loads((out / "report.json").read_text())
+    check_report_format(after)
+    assert list(after["parts"]) == ["env", "train_step_bf16", "train_step_fp8"]
+    assert after["env"] == before["env"] and after["parts"]["env"] == before["parts"]["env"]
+    assert after["parts"]["train_step_fp8"]["reason"].startswith("no CUDA device; needs")
+    assert "transformer_engine" in after["parts"]["train_step_fp8"]["reason"]
+
+
+def test_a_part_over_its_limit_is_killed_and_recorded_as_timeout(tmp_path):
     (tmp_path / "m.json").write_text('{"mfu": 0.4}')
-    part = Part("x", ("json.tool", "--compact", str(tmp_path / "m.json")), artifacts=("a.jsonl",))
-    ok = run_part(part, tmp_path)
-    assert ok["status"] == "passed" and ok["results"] == [{"mfu": 0.4}]
-    assert ok["a.jsonl"] == [{"phase": "train", "peak_gib": 1.5}]
-    failed = run_part(Part("y", ("json.tool", str(tmp_path / "missing.json"))), tmp_path)
-    assert failed["status"] == "failed" and "missing.json" in failed["output_tail"]
+    plan = [
+        Part("fast", ("json.tool", "--compact", str(tmp_path / "m.json")), gpus=0, timeout_s=60),
+        Part("slow", SLEEP, gpus=0, timeout_s=2),
+    ]
+    report = run_campaign(plan, tmp_path / "out", tmp_path)
+    check_report_format(report)
+    fast, slow = report["parts"]["fast"], report["parts"]["slow"]
+    assert fast["status"] == "passed" and fast["results"] == [{"mfu": 0.4}]
+    assert slow["status"] == "timeout" and slow["reason"] == "killed after its limit of 2 s"
+    assert 2 <= slow["seconds"] < 30 and slow["returncode"] != 0
+    assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
+
+
+def test_a_failing_part_keeps_its_output_and_artifacts_are_read_as_json_lines(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "memory_timeline.jsonl").write_text('{"phase": "train", "gib": 1.5}\n')
+    plan = [
+        Part("bad", ("json.tool", str(tmp_path / "missing.json")), gpus=0, timeout_s=60,
+             artifacts=("run/memory_timeline.jsonl", "run/absent.jsonl")),
+    ]  # fmt: skip
+    rec = run_campaign(plan, tmp_path / "out", tmp_path)["parts"]["bad"]
+    assert rec["status"] == "failed" and rec["returncode"] != 0
+    assert "missing.json" in rec["output_tail"] and "missing.json" in Path(rec["log"]).read_text()
+    assert rec["artifacts"] == {"memory_timeline.jsonl": [{"phase": "train", "gib": 1.5}]}
+
+
+def test_a_window_that_ends_mid_part_leaves_the_earlier_parts_results(tmp_path):
+    """The campaign process itself is killed (SIGKILL, as when the device call ends) while
+    its second part runs: the report holds the first part, and is valid JSON."""
+    out = tmp_path / "out"
+    script = (
+        "import sys; from pathlib import Path; from tools.gpu_campaign import Part, run_campaign\n"
+        "kill = 'import os, signal, time; os.kill(os.getppid(), signal.SIGKILL); time.sleep(60)'\n"
+        "run_campaign([Part('first', ('json.tool', '--help'), gpus=0, timeout_s=60),\n"
+        "              Part('window_ends', ('timeit', '-n', '1', '-r', '1', kill), gpus=0,\n"
+        "                   timeout_s=60)], Path(sys.argv[1]), Path(sys.argv[2]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(out), str(tmp_path)], cwd=REPO, timeout=120
+    )
+    assert done.returncode == -9
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["parts"]) == ["first"] and report["parts"]["first"]["status"] == "passed"
+    assert (out / "window_ends.log").exists()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_report_is_written_atomically_and_a_bad_one_is_refused(tmp_path):
+    path = tmp_path / "report.json"
+    gpu_campaign.write_report(path, {"date": "d", "env": None, "parts": {}})
+    old = path.read_text()
+    with pytest.raises(TypeError):  # fails half-way through serialising
+        gpu_campaign.write_report(path, {"date": "d", "env": None, "parts": {"x": object()}})
+    assert path.read_text() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    path.write_text('{"date": "d", "parts": [')
+    with pytest.raises(ValueError, match="report.json: not valid JSON"):
+        gpu_campaign.load_report(path)
+    path.write_text('{"date": "d"}')
+    with pytest.raises(ValueError, match="expected a campaign report, an object with a 'parts'"):
+        gpu_campaign.load_report(path)
+
+
+@no_cuda
+def test_the_nccl_probe_says_it_needs_cuda(capsys):
+    assert gpu_nccl_probe.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -67,6 +67,32 @@ def main():
     )
     after_offload = pg_loss_and_grad_norm(batch)
 
+    # param_offload: every parameter storage (one per parameter without the distributed
+    # optimizer) is emptied; the next use brings the same bits back, and the same gradient.
+    weights = [p.detach().clone() for c in actor._chunks for p in c.parameters()]
+    actor.offload(params=True)
+    reference.offload_params()
+    param_offload = {
+        "storages": len(actor._params_away.storages),
+        "params": len(weights),
+        "bytes_while_away": sum(
+            p.untyped_storage().nbytes()
+            for role in (actor, reference)
+            for c in role._chunks
+            for p in c.parameters()
+        ),
+        "host_bytes": actor._params_away.nbytes,
+        "param_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "loss_and_norm": pg_loss_and_grad_norm(batch),
+        "reference_logprobs_equal": torch.equal(reference.compute_logprobs(batch), ref_logprobs),
+        "weights_equal": all(
+            torch.equal(p, w)
+            for p, w in zip(
+                (p for c in actor._chunks for p in c.parameters()), weights, strict=True
+            )
+        ),
+    }
+
     cfg = PolicyLossConfig(nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.01)
     actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
     critic_metrics = critic.update(batch, ValueLossConfig(), 2)
@@ -84,6 +110,7 @@ def main():
         "tis": tis,
         "offloaded_bytes": offloaded_bytes,
         "after_offload": after_offload,
+        "param_offload": param_offload,
         "nan_metrics": nan_metrics,
         "nan_unchanged": nan_unchanged,
         "initial_logprob_gap": (ref_logprobs - actor_logprobs).abs().max().item(),

@@ -152,21 +152,24 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
 
 
 def test_optimizer_settings_come_from_the_config_also_after_a_resume():
-    """torch's load_state_dict brings back the saved lr; the config's is applied again, and
-    megatron's no-decay groups (biases, norms: wd_mult 0) keep no weight decay."""
+    """torch's load_state_dict brings back the saved schedule bounds; the config's are applied
+    again (the lr itself is the schedule's: test_lr_schedule_unit), and megatron's no-decay
+    groups (biases, norms: wd_mult 0) keep no weight decay."""
     from megatron_rl.workers.optimizer import OptimConfig, apply_hyperparameters
 
     weight, bias = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
     groups = [{"params": [weight], "wd_mult": 1.0}, {"params": [bias], "wd_mult": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1)
     assert apply_hyperparameters(opt, OptimConfig(lr=1e-3, weight_decay=0.1)) == [
-        "weight_decay: 0.1 -> 0.0"
+        "max_lr: None -> 0.001",
+        "min_lr: None -> 0.0",
+        "weight_decay: 0.1 -> 0.0",
     ]
     saved = opt.state_dict()
     new = OptimConfig(lr=2e-4, weight_decay=0.1, adam_beta2=0.95)
     opt.load_state_dict(saved)
     changed = apply_hyperparameters(opt, new)
-    assert changed == ["lr: 0.001 -> 0.0002", "betas: (0.9, 0.999) -> (0.9, 0.95)"]
-    assert [g["lr"] for g in opt.param_groups] == [2e-4, 2e-4]
+    assert changed == ["max_lr: 0.001 -> 0.0002", "betas: (0.9, 0.999) -> (0.9, 0.95)"]
+    assert [g["max_lr"] for g in opt.param_groups] == [2e-4, 2e-4]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert apply_hyperparameters(opt, new) == []

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import yaml
 
 from tests.checkpoints import same_weights
@@ -30,6 +31,14 @@ def labelled_prompts(tmp_path_factory):
     return write_labelled_prompts(tmp_path_factory.mktemp("data") / "good_bad.jsonl")
 
 
+ACTOR_SCHEDULE = [
+    "actor.optim.lr_warmup_steps=6",
+    "actor.optim.lr_warmup_init=2e-5",
+    "actor.optim.lr_decay_style=cosine",
+    "actor.optim.min_lr=1e-5",
+]
+
+
 def vapo_overrides(model_dir, data_path) -> list[str]:
     """4 value-pretraining + 4 PPO steps, a checkpoint after each, on prompt-labelled rewards,
     sampled at temperature 0.7 (the trainer's log-probs must be of the tempered policy);
@@ -48,6 +57,9 @@ def vapo_overrides(model_dir, data_path) -> list[str]:
         LABEL_REWARD,
         "critic.pretrain_steps=4",
         "critic.optim.lr=1e-3",
+        # 2 actor updates a step, 8 in all: warm-up over 6 (still on at the step-2 checkpoint
+        # a resume starts from), then cosine down to min_lr by the last
+        *ACTOR_SCHEDULE,
         "trainer.total_steps=4",
         "trainer.save_interval=1",
         "trainer.keep_last=20",
@@ -74,6 +86,12 @@ def test_vapo_recipe_trains_actor_and_critic(vapo_run):
     records = metrics(vapo_run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(finite(r) for r in records), records
+    # ACTOR_SCHEDULE, update k = 0..7: linear from 2e-5 to 1e-4 over 6, then cosine to 1e-5
+    # at 8 (halfway at 7); a step logs the mean of its two updates' lr.
+    lr = [2e-5 + (1e-4 - 2e-5) * k / 6 for k in range(7)] + [(1e-4 + 1e-5) / 2]
+    expected = [(lr[2 * s] + lr[2 * s + 1]) / 2 for s in range(4)]
+    torch.testing.assert_close([r["actor/lr"] for r in records], expected, rtol=1e-9, atol=0)
+    assert all(r["critic/lr"] == 1e-3 for r in records)  # constant: the default schedule
     # engine = actor after each sync, at T = 0.7: both are softmax(logits / T)
     assert all(r["rollout/logprob_gap/max"] < 1e-4 for r in records)
     assert all(r["rollout_corr/rollout_is_mean"] == pytest.approx(1, abs=1e-4) for r in records)
@@ -169,7 +187,8 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
     """The newest checkpoint has a truncated shard and the one before it is gone: the run
-    names the file, falls back to step 2's checkpoint, and redoes steps 3 and 4 exactly."""
+    names the file, falls back to step 2's checkpoint (mid-way through the actor's lr warm-up),
+    and redoes steps 3 and 4 exactly: the schedule continues where it was."""
     resumed = tmp_path / "resumed"
     shutil.copytree(vapo_run, resumed)
     root = resumed / "checkpoints"
@@ -286,5 +305,44 @@ def test_a_resume_applies_the_configs_optimizer_settings(
     overrides = [*vapo_overrides(tiny_model_dir, labelled_prompts), "actor.optim.lr=2e-4"]
     result = train("vapo", resumed, *overrides)  # step 4 of 4 is saved: nothing left to run
     assert "resume: actor optimizer settings from the config, not " in result.output
-    assert "lr: 0.0001 -> 0.0002" in result.output
+    assert "max_lr: 0.0001 -> 0.0002" in result.output
     assert "resume: critic optimizer" not in result.output  # unchanged: nothing to say
+
+
+PARAM_OFFLOAD = (
+    "actor.param_offload=true",
+    "critic.param_offload=true",
+    "actor.ref_param_offload=true",
+    "actor.grad_offload=true",
+)
+
+
+def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
+    """Each role's parameters in host memory from their last use before a rollout (reference:
+    the experience, critic: its update, actor: the weight sync) until their next use, and
+    back for the saves: one value-pretraining step and two PPO steps (actor, critic,
+    reference) log the same metrics and save bit-equal checkpoints and HF exports."""
+    runs = {"plain": tmp_path / "plain", "offload": tmp_path / "offload"}
+    for name, extra in (("plain", ()), ("offload", PARAM_OFFLOAD)):
+        train(
+            "ppo", runs[name], f"model.path={tiny_model_dir}", VARIED_REWARD,
+            "critic.pretrain_steps=1", "trainer.total_steps=2", "trainer.save_interval=2",
+            "trainer.save_hf_interval=2", *extra,
+        )  # fmt: skip
+    for stage in ("value_pretrain", "train"):
+        plain, offload = metrics(runs["plain"], stage), metrics(runs["offload"], stage)
+        assert len(plain) == (1 if stage == "value_pretrain" else 2)
+        assert [measured(r) for r in offload] == [measured(r) for r in plain]
+        # what stayed in host memory through each rollout: all three roles' weights
+        assert all(r["memory/params_offloaded_gib"] > 0 for r in offload)
+        assert all(r["memory/params_offloaded_gib"] == 0 for r in plain)
+    for progress in (1, 3):  # the pretrained critic; the end of PPO
+        a, b = checkpoint(runs["plain"], progress), checkpoint(runs["offload"], progress)
+        for role in ("actor", "critic"):
+            assert sorted(a[role]) == sorted(b[role])
+            assert all(torch.equal(a[role][k], b[role][k]) for k in a[role]), role
+    exports = {
+        name: {f.name: f.read_bytes() for f in (out / "hf" / "step_000002").glob("*.safetensors")}
+        for name, out in runs.items()
+    }
+    assert exports["plain"] and exports["offload"] == exports["plain"]

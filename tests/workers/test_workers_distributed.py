@@ -156,6 +156,14 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert weighted_loss == pytest.approx(3 * loss, rel=1e-5)  # TIS weights scale the pg term
     assert weighted_norm == pytest.approx(3 * norm, rel=1e-4)  # ... and its gradient
     assert s["offloaded_bytes"] == 0 and s["after_offload"] == (loss, norm)  # grad_offload
+    # param_offload: every parameter's storage emptied (actor and reference; one each without
+    # the distributed optimizer), its bytes in host memory; brought back bit-equal by the
+    # next use: the same loss, gradient and reference log-probs
+    p = s["param_offload"]
+    assert p["storages"] == p["params"] > 1 and p["bytes_while_away"] == 0
+    assert p["host_bytes"] == p["param_bytes"] > 0
+    assert p["weights_equal"] and p["reference_logprobs_equal"]
+    assert p["loss_and_norm"] == (loss, norm)
     assert s["actor_metrics"]["skipped_nonfinite"] == 0.0
     # NaN advantages: the update is skipped and counted, every weight stays as it was.
     assert s["nan_metrics"]["skipped_nonfinite"] == 1.0 and not s["nan_metrics"]["update_ok"]
