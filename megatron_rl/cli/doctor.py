@@ -27,9 +27,10 @@ from megatron_rl.stack import (
 
 
 def needs_of(config) -> Needs:
-    """What a `TrainConfig` asks of the stack: its policy's precision, and vLLM rollouts."""
+    """What a `TrainConfig` asks of the stack: its policy's precision, and vLLM unless its
+    rollouts are Hugging Face ones (`rollout.name: hf`)."""
     precision = config.model.precision
-    return Needs(bf16=precision.bf16, fp8=precision.fp8, vllm=True)
+    return Needs(bf16=precision.bf16, fp8=precision.fp8, vllm=config.rollout.name == "vllm")
 
 
 def _yes(flag: bool) -> str:

@@ -209,3 +209,15 @@ def test_a_bf16_recipe_is_refused_on_this_cpu_machine():
     assert run.returncode == 1
     assert "ERROR [recipe] the recipe trains in bf16 but no GPU is visible" in run.stdout
     assert doctor("--config", "examples/tiny/vapo.yaml").returncode == 0
+
+
+def test_a_recipe_needs_vllm_unless_its_rollouts_are_hugging_face_ones():
+    from megatron_rl.cli.doctor import needs_of
+    from megatron_rl.config import load_config
+
+    assert needs_of(load_config("examples/qwen2.5-32b/vapo.yaml")) == Needs(
+        bf16=True, fp8=None, vllm=True
+    )
+    hf = needs_of(load_config("examples/tiny/grpo.yaml", ["rollout.name=hf"]))
+    assert hf == Needs(bf16=False, fp8=None, vllm=False)
+    assert errors(with_packages(GPU_STACK, vllm=None), hf) == []
