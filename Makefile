@@ -2,7 +2,7 @@
 # (requirements/cpu.lock: every package at an exact version with its hashes) when the venv
 # is missing or older than the lock, and re-install the project itself when pyproject.toml
 # or setup.py changed; a current venv costs seconds. `make lock` rewrites the lock from the
-# ranges in pyproject.toml (README, "The locked environment").
+# ranges in pyproject.toml (docs/tests.md, "The locked environment").
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -2,7 +2,7 @@
 
 Our tests run on CPU, where a tensor made without a device lands where everything else is,
 so a forgotten `device=` passes every CPU test and fails on the first GPU step (a CPU count
-in an NCCL all-reduce, a CPU index mixed with CUDA log-probs). The rule (README, "Devices"):
+in an NCCL all-reduce, a CPU index mixed with CUDA log-probs). The rule (docs/layouts.md, "Devices"):
 - a batch is built in host memory and moved whole where it enters a role or the experience
   maker (`TrainingBatch.to`, `MegatronRole.device`);
 - metadata that crosses ranks is made on `platform.device()` (CUDA under NCCL);

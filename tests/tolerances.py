@@ -1,7 +1,7 @@
 """Tolerances for the tests' numerical comparisons: always relative plus absolute, as
 `torch.testing.assert_close` (|a - e| <= atol + rtol * |e|), never an absolute bound alone on
-values far from 1. They are fp32 bounds for the tiny model; the measured errors (README,
-"Measured equivalences") are 10-100x smaller, and which CPU kernels run (AVX2, AVX-512,
+values far from 1. They are fp32 bounds for the tiny model; the measured errors (docs/experiments/
+equivalences.md) are 10-100x smaller, and which CPU kernels run (AVX2, AVX-512,
 thread count) moves them within that margin."""
 
 import torch

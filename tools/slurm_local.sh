@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real two-node SLURM cluster on this one machine, to run the project's sbatch scripts the
-# way a cluster does (tests/slurm, README "Running on SLURM"):
+# way a cluster does (tests/slurm, docs/slurm.md):
 #
 #   tools/slurm_local.sh install          # slurm-wlm + munge from the distribution (root)
 #   tools/slurm_local.sh up   [DIR]       # munged, slurmctld, slurmd n1 and n2; prints SLURM_CONF

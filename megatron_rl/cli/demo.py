@@ -19,7 +19,7 @@ cut off before the answer in the warm start's solutions), 20-62 tokens decided a
 one: what value pretraining, lambda_critic = 1 and length-adaptive GAE are for (the critic
 explains 0.4-0.7 of the returns' variance after 10 steps); `chains`, the same sums always
 counted on, where the return hinges on slips spread over the chain (a critic explains ~0 of
-it, the ceiling being 0.32: README, "How the demo's task was chosen"); `sums`, the earlier single-digit sums
+it, the ceiling being 0.32: docs/experiments/demo.md); `sums`, the earlier single-digit sums
 answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer supervised
 training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
 0.5).

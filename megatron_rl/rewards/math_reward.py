@@ -13,7 +13,7 @@ judge it against the label:
   both parse as numbers, else as normalised strings. Right for integer and plain-number
   answers (AIME, DAPO-Math-17k); it judges `\\frac{\\pi}{2}` vs `\\pi/2`, `(x+1)^2` vs
   `x^2+2x+1`, `\\sqrt{18}` vs `3\\sqrt{2}` or `10^{3}` vs `1000` wrong, a false negative
-  the policy learns from (README, "Math answers").
+  the policy learns from (docs/data-and-rewards.md, "Math answers").
 
 VC-PPO / VAPO (arXiv 2503.01491, 2504.05118) train on +1 for a correct answer and -1
 otherwise; both values, and the value for a response with no answer at all, are configurable.

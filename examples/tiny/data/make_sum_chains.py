@@ -21,7 +21,7 @@ The demo's task (`make demo`, `--count-all 0.6`) decides the return at the first
   answer: ~60 tokens that never earn the reward. The prompts are the default's; the warm
   start learns both ways, and RL must learn to count on.
 
-Two more variants where the return is decided early (README, "How the demo's task was
+Two more variants where the return is decided early (docs/experiments/demo.md, "How the demo's task was
 chosen"):
 
 - `--swap-first F` writes `sum_chains_swap_{train,test}.jsonl`: a fraction F of the prompts
