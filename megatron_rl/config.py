@@ -543,6 +543,17 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         )
     if not config.data.path:
         raise ConfigError("config key data.path: the prompt dataset is required")
+    # Every input the run reads, named here in one line, not by a traceback from every rank
+    # once the process group is up.
+    inputs = [("data.path", config.data.path)]
+    inputs += [
+        (f"trainer.eval_sets[{i}].path", s.path) for i, s in enumerate(config.trainer.eval_sets)
+    ]
+    if config.use_critic and config.model.critic_path:
+        inputs.append(("model.critic_path", config.model.critic_path))
+    for key, path in inputs:
+        if not Path(path).exists():
+            raise ConfigError(f"config key {key}: {path}: no such file or directory")
     if not config.rewards.reward_fns:
         raise ConfigError("config key rewards.reward_fns: at least one reward function is needed")
     if config.algorithm.estimator not in ADV_ESTIMATORS:

@@ -295,3 +295,17 @@ def test_token_budgets_must_hold_the_longest_sequence(tiny_model_dir):
         validate_config(config_for(tiny_model_dir, *dynamic, "actor.micro_batch_size=3"), 2)
     with pytest.raises(ValueError, match="log_prob_max_token_len_per_gpu must be >= 1, got 0"):
         config_for(tiny_model_dir, "actor.log_prob_max_token_len_per_gpu=0")
+
+
+def test_every_input_file_is_named_before_any_process_starts(tiny_model_dir, tmp_path):
+    """A missing prompt file, eval set or critic checkpoint is one ConfigError naming its key,
+    not a traceback from every rank once the process group is up."""
+    missing = tmp_path / "nowhere.jsonl"
+    for override, key in (
+        (f"data.path={missing}", "data.path"),
+        (f"trainer.eval_sets=[{{path: {missing}}}]", r"trainer.eval_sets\[0\].path"),
+        (f"model.critic_path={tmp_path / 'no-rm'}", "model.critic_path"),
+    ):
+        extra = ["trainer.eval_data_path=null"] if "eval_sets" in override else []
+        with pytest.raises(ConfigError, match=rf"config key {key}: .*: no such file or directory"):
+            validate_config(config_for(tiny_model_dir, *extra, override), world_size=2)
