@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 LOCK_ARGS ?=
 PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: demo test test-layouts lint lock clean-venv
+.PHONY: demo test test-e2e test-layouts lint lock clean-venv
 
 # A lock change rebuilds the venv from nothing: installing over an older set would keep
 # packages the lock no longer lists. --no-deps: the lock is the complete set; it leaves out
@@ -35,10 +35,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -m "not layouts" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not layouts and not e2e" $(PYTEST_ARGS)
+
+# Whole journeys (marker `e2e`): the learning check, HF -> Megatron -> train -> export, the
+# two-node SLURM cluster, the watchdog's kills, two engine jobs on one host. ~15 min on
+# 2 cores, a tier of its own to keep `make test` under 20 minutes; .ci/run runs every tier.
+test-e2e: $(STAMP)
+	$(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 # The trainer at 4 ranks in every two-axis layout (TP2xDP2, PP2xDP2, TP2xPP2): ~5 min on 2
-# cores, a tier of its own to keep `make test` well under 20 minutes; .ci/run runs both.
+# cores, a tier of its own to keep `make test` well under 20 minutes; .ci/run runs every tier.
 test-layouts: $(STAMP)
 	$(PY) -m pytest -m layouts $(PYTEST_ARGS)
 

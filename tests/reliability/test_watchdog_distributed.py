@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.launch import TorchrunError
 from tests.trainer.runs import train
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 STALL = 'rewards.reward_fns=[{type: python, path: "tests.reward_fns:stalls_on_rank_1", timeout_s: 3600}]'
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_rl.launch import run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
+pytestmark = [pytest.mark.distributed, pytest.mark.vllm, pytest.mark.e2e]
 
 
 def test_two_jobs_with_tp2_engines_run_on_one_host_at_once(tiny_model_dir, tmp_path):

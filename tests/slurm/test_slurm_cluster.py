@@ -25,7 +25,7 @@ import torch
 from megatron_rl.launch import free_port
 from tests.trainer.runs import SMALL_VAPO, metrics
 
-pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_LOCAL = REPO / "tools" / "slurm_local.sh"

@@ -32,7 +32,7 @@ from tests.trainer.runs import (
     write_labelled_prompts,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 TOTAL_STEPS = 4
 

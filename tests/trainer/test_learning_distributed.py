@@ -11,7 +11,7 @@ import pytest
 
 from megatron_rl.cli.demo import TASKS, read_curves, run_rl, warm_start
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 REFERENCE = Path(__file__).parent / "learning_reference.json"
 
