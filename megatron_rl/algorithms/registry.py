@@ -39,13 +39,14 @@ def registrar(
     def register(name: str, **flags: Any) -> Callable[[F], F]:
         if flags and traits is None:
             raise TypeError(f"{what} registry takes no traits, got {sorted(flags)}")
+        entry_traits = traits_type(**flags) if traits is not None else None  # bad flags: now
 
         def add(fn: F) -> F:
             if name in registry:
                 raise ValueError(f"{what} {name!r} is already registered")
             registry[name] = fn
             if traits is not None:
-                traits[name] = traits_type(**flags)
+                traits[name] = entry_traits
             return fn
 
         return add

@@ -15,6 +15,7 @@ from megatron_rl.config.loader import (
     apply_override,
     from_dict,
     items_parsed_by,
+    load,
     read_yaml,
     to_dict,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "check_inputs",
     "from_dict",
     "items_parsed_by",
+    "load",
     "load_config",
     "read_yaml",
     "rollout_layout",
