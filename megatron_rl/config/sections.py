@@ -145,7 +145,7 @@ class RoleConfig:
 
     def __post_init__(self) -> None:
         check_at_least(self, ppo_max_token_len_per_gpu=1)
-        if getattr(self, self.forward_budget_key) is not None:
+        if self.forward_budget() is not None:
             check_at_least(self, **{self.forward_budget_key: 1})
 
     def token_budget(self, forward: bool = False) -> int | None:
@@ -153,9 +153,11 @@ class RoleConfig:
         use_dynamic_bsz (micro_batch_size decides)."""
         if not self.use_dynamic_bsz:
             return None
-        return (forward and getattr(self, self.forward_budget_key)) or (
-            self.ppo_max_token_len_per_gpu
-        )
+        return (forward and self.forward_budget()) or self.ppo_max_token_len_per_gpu
+
+    def forward_budget(self) -> int | None:
+        """The role's forward-only budget as set (None: unset, or a role without one)."""
+        return getattr(self, self.forward_budget_key) if self.forward_budget_key else None
 
 
 @dataclass(frozen=True)
