@@ -22,6 +22,10 @@ from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.replica import RolloutLayout
 from megatron_rl.workers.optimizer import OptimConfig, resolve_lr_decay_steps
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these in the policy's Hugging Face directory: one of them is what
+`AutoTokenizer.from_pretrained` reads, fast, sentencepiece or BPE."""
+
 
 def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
     """How the world's ranks form vLLM engines and model replicas (`rollout/replica.py`)."""
@@ -170,6 +174,11 @@ def check_inputs(config: TrainConfig) -> None:
     for key, path in inputs:
         if not Path(path).exists():
             raise ConfigError(f"config key {key}: {path}: no such file or directory")
+    hf_dir = ModelSource(config.model.path).hf_dir  # the actor templates and tokenises with it
+    if not any((hf_dir / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"config key model.path: {hf_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+        )
     for i, fn in enumerate(config.rewards.reward_fns):
         module = getattr(fn, "path", "").partition(":")[0]
         if module and not _module_found(module):

@@ -160,7 +160,8 @@ def test_every_input_file_is_named_before_any_process_starts(tiny_model_dir, tmp
 
 
 def test_reward_inputs_are_named_before_any_process_starts(tiny_model_dir, tmp_path):
-    """The policy, a reward model's checkpoint and a python reward's module are found now."""
+    """The policy and its tokenizer, a reward model's checkpoint and a python reward's module
+    are found now."""
     for override, message in (
         (f"model.path={tmp_path / 'no-policy'}", r"config key model.path: .*no-policy: no such"),
         (
@@ -175,5 +176,10 @@ def test_reward_inputs_are_named_before_any_process_starts(tiny_model_dir, tmp_p
         config = config_for(tiny_model_dir, override)
         with pytest.raises(ConfigError, match=message):
             validate_config(config, world_size=2)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"config key model.path: .*no-tokenizer: no tokenizer"):
+        validate_config(config_for(no_tokenizer), world_size=2)
     good = "rewards.reward_fns=[{type: python, path: 'tests.reward_fns:constant'}]"
     validate_config(config_for(tiny_model_dir, good), world_size=2)
