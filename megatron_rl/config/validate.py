@@ -42,6 +42,15 @@ def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
 
 def validate_config(config: TrainConfig, world_size: int) -> None:
     """Everything that can be checked before a process group or a model exists."""
+    check_required(config)
+    check_inputs(config)
+    dp = check_layout(config, world_size)
+    check_batches(config, world_size, dp)
+    check_models(config)
+
+
+def check_required(config: TrainConfig) -> None:
+    """The keys a run cannot do without, and a registered estimator."""
     if not config.model.path:
         raise ConfigError(
             "config key model.path: the policy (a Hugging Face directory or a megatron_rl "
@@ -58,14 +67,17 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             + (f" (did you mean {close[0]!r}?)" if close else "")
             + f"; registered: {sorted(ADV_ESTIMATORS)}"
         )
-    check_inputs(config)
+
+
+def check_layout(config: TrainConfig, world_size: int) -> int:
+    """The parallel layout against the model and the world, and the rollout engines on it;
+    returns the data-parallel size."""
     arch = ModelSource(config.model.path).architecture()
     try:
         config.parallel.validate(world_size, arch)
     except ValueError as e:
         raise ConfigError(f"config section parallel: {e}") from None
-    dp = config.parallel.data_parallel_size(world_size)
-    r, a = config.rollout, config.actor
+    r = config.rollout
     if r.name == "hf" and (r.vllm_tensor_parallel_size or 1) > 1:
         raise ConfigError(
             f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} with "
@@ -76,6 +88,13 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
         rollout_layout(config, world_size).check()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return config.parallel.data_parallel_size(world_size)
+
+
+def check_batches(config: TrainConfig, world_size: int, dp: int) -> None:
+    """Batch sizes that divide over DP ranks and micro-batches, groups the estimator needs,
+    and token budgets that hold the longest sequence."""
+    r, a = config.rollout, config.actor
     if r.rollout_batch_size % dp:
         raise ConfigError(
             f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "
@@ -107,6 +126,23 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
             f"algorithm.estimator={config.algorithm.estimator!r} needs "
             f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
         )
+    longest = config.data.max_prompt_length + r.max_new_tokens
+    for role in ("actor", "critic"):
+        role_cfg = getattr(config, role)
+        for forward in (False, True):
+            budget = role_cfg.token_budget(forward)
+            if budget is not None and budget < longest:
+                key = role_cfg.forward_budget_key if forward else "ppo_max_token_len_per_gpu"
+                raise ConfigError(
+                    f"{role}.{key}={budget} (with use_dynamic_bsz) is below the longest "
+                    f"sequence, data.max_prompt_length + rollout.max_new_tokens = {longest}: "
+                    "one sequence must fit a micro-batch"
+                )
+
+
+def check_models(config: TrainConfig) -> None:
+    """What each model's settings ask of the run: offloads of models it has, optimizer
+    offload with low-precision parameters, value pretraining with a critic, a schedule."""
     for key, asked, present, how in (
         ("critic.param_offload", config.critic.param_offload, config.use_critic,
          "critic.enable or algorithm.estimator gae"),
@@ -122,18 +158,6 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
                     f"{role}.optimizer_offload needs model.precision.params_dtype bfloat16 or "
                     "float16: with float32 parameters megatron's optimizer steps the model's "
                     "own weights, which would leave the device with it"
-                )
-    longest = config.data.max_prompt_length + r.max_new_tokens
-    for role in ("actor", "critic"):
-        role_cfg = getattr(config, role)
-        for forward in (False, True):
-            budget = role_cfg.token_budget(forward)
-            if budget is not None and budget < longest:
-                key = role_cfg.forward_budget_key if forward else "ppo_max_token_len_per_gpu"
-                raise ConfigError(
-                    f"{role}.{key}={budget} (with use_dynamic_bsz) is below the longest "
-                    f"sequence, data.max_prompt_length + rollout.max_new_tokens = {longest}: "
-                    "one sequence must fit a micro-batch"
                 )
     if config.critic.pretrain_steps and not config.use_critic:
         raise ConfigError(
