@@ -2,7 +2,7 @@
 
 - `loader.py`: a dataclass from nested dicts / YAML with `key=value` overrides, and back
   (`from_dict`, `to_dict`, `apply_override`, `load`). Generic: it names no section and imports
-  nothing from megatron_rl, so any module may use it for its own config.
+  nothing from megatron_rl (where it can sit: its docstring).
 - `sections.py`: the run's own sections (model, rollout, actor and critic on a shared
   `RoleConfig`, rewards, trainer, eval sets), each checking its own values.
 - `run.py` and `validate.py`: the run's config (`TrainConfig`, `load_config`) and the checks

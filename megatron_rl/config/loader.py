@@ -11,7 +11,13 @@ where one annotated type cannot say which class a value is (a list whose items c
 class by a tag, as `rewards.reward_fns` entries do by `type`), by the parser its field names
 in `items_parsed_by` metadata. An unknown key is refused with the closest known one; a value
 of the wrong type names its key and the expected type; a section's `__post_init__` error is
-prefixed with the section. It imports nothing from megatron_rl, so any module may use it.
+prefixed with the section.
+
+Where it sits: it imports nothing from megatron_rl, so it is below every module of the
+package; but importing it runs `megatron_rl/config/__init__.py`, which imports the run's
+sections (models, rewards, rollout, workers). A module those sections import cannot use it
+without a cycle; for them it would move unchanged to the top level (`megatron_rl/loader.py`).
+The entry points, tools and plugins can use it today for their own dataclasses.
 
 Why not OmegaConf (2.4.0; 2.3 pins an antlr4 that math-verify's conflicts with): tried
 against these dataclasses, `OmegaConf.structured(TrainConfig)` refuses the `torch.dtype`
