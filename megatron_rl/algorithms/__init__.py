@@ -5,10 +5,12 @@ Cross-rank reductions happen in the caller, which passes global counts and momen
 """
 
 from megatron_rl.algorithms.advantages import (
+    ADV_ESTIMATOR_TRAITS,
     ADV_ESTIMATORS,
     AdvantageConfig,
     AdvantageInputs,
     AdvantageOutputs,
+    estimator_traits,
     gae,
     get_adv_estimator,
     length_adaptive_lambda,
@@ -38,6 +40,7 @@ from megatron_rl.algorithms.masked import (
 )
 
 __all__ = [
+    "ADV_ESTIMATOR_TRAITS",
     "ADV_ESTIMATORS",
     "AdvantageConfig",
     "AdvantageInputs",
@@ -48,6 +51,7 @@ __all__ = [
     "entropy_from_logits",
     "explained_variance",
     "explained_variance_of",
+    "estimator_traits",
     "gae",
     "get_adv_estimator",
     "kl_estimate",

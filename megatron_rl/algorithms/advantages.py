@@ -36,7 +36,7 @@ from megatron_rl.algorithms.checks import (
 )
 from megatron_rl.algorithms.kl import kl_penalized_token_rewards
 from megatron_rl.algorithms.masked import Moments, masked_whiten
-from megatron_rl.algorithms.registry import lookup, registrar
+from megatron_rl.algorithms.registry import EstimatorTraits, lookup, registrar
 from megatron_rl.algorithms.rollout_correction import RolloutCorrectionConfig
 
 
@@ -126,13 +126,21 @@ class AdvantageOutputs:
 
 AdvantageEstimator = Callable[[AdvantageInputs, AdvantageConfig], AdvantageOutputs]
 ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADV_ESTIMATOR_TRAITS: dict[str, EstimatorTraits] = {}
 
 
-register_adv_est = registrar(ADV_ESTIMATORS, "advantage estimator")
+register_adv_est = registrar(
+    ADV_ESTIMATORS, "advantage estimator", ADV_ESTIMATOR_TRAITS, EstimatorTraits
+)
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimator:
     return lookup(ADV_ESTIMATORS, name, "advantage estimator")
+
+
+def estimator_traits(name: str) -> EstimatorTraits:
+    """What estimator `name` needs from the run (a critic, whole groups)."""
+    return lookup(ADV_ESTIMATOR_TRAITS, name, "advantage estimator")
 
 
 # ---------------------------------------------------------------- building blocks
@@ -238,7 +246,7 @@ def _outputs(
 # ---------------------------------------------------------------- estimators
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True)
 def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutputs:
     """PPO with GAE; decoupled lambdas (VC-PPO, arXiv 2503.01491) and length-adaptive
     lambda_policy (VAPO, arXiv 2504.05118).
@@ -270,7 +278,7 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
     return _outputs(advantages, returns, inputs, config.whiten_advantages, per_sequence)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True)
 def grpo_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutputs:
     """GRPO (DeepSeekMath, arXiv 2402.03300): A_i = (r_i - mean(r_group)) / (std(r_group) + eps),
     broadcast to every token of response i. std is the unbiased group std; with
@@ -285,7 +293,7 @@ def grpo_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advanta
     return _outputs(advantages, advantages, inputs, whiten=False)
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True)
 def rloo_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> AdvantageOutputs:
     """RLOO (Ahmadian et al., arXiv 2402.14740): A_i = r_i - mean_{j != i} r_j
     = G/(G-1) * (r_i - mean(r_group)), broadcast to every token of response i."""
@@ -313,7 +321,7 @@ def reinforce_pp_advantages(inputs: AdvantageInputs, config: AdvantageConfig) ->
     return _reinforce_pp(inputs, config, inputs.scores)
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
 def reinforce_pp_baseline_advantages(
     inputs: AdvantageInputs, config: AdvantageConfig
 ) -> AdvantageOutputs:

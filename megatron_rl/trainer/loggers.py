@@ -20,9 +20,6 @@ from pathlib import Path
 
 import yaml
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-"""The `trainer.logger` names; console and jsonl are `MetricsLogger`'s own."""
-
 
 def tag(stage: str, key: str) -> str:
     """The name a metric is logged under: train metrics as they are (`rollout/reward/mean`,

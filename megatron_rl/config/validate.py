@@ -1,0 +1,221 @@
+"""Checks of the whole run's config before any process group or model exists: every input it
+reads is found (named by its key), the layout fits the model and the world, the batch sizes
+divide, the estimator's needs are met. Each failure is one ConfigError naming the keys, not a
+traceback from every rank once the process group is up.
+
+Left out: what only the run can know (a prompt file's rows, a reward function's results, a
+remote reward server being up); those fail on the first step, named by their own modules.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, estimator_traits
+from megatron_rl.config.loader import ConfigError
+from megatron_rl.config.run import TrainConfig
+from megatron_rl.models.source import ModelSource
+from megatron_rl.rollout.replica import RolloutLayout
+from megatron_rl.workers.optimizer import OptimConfig, resolve_lr_decay_steps
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these in the policy's Hugging Face directory: one of them is what
+`AutoTokenizer.from_pretrained` reads, fast, sentencepiece or BPE."""
+
+
+def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
+    """How the world's ranks form vLLM engines and model replicas (`rollout/replica.py`)."""
+    p = config.parallel
+    return RolloutLayout(
+        world_size,
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        # hf: every rank holds the whole model, an engine of its own
+        config.rollout.vllm_tensor_parallel_size
+        or (1 if config.rollout.name == "hf" else p.tensor_model_parallel_size),
+    )
+
+
+def validate_config(config: TrainConfig, world_size: int) -> None:
+    """Everything that can be checked before a process group or a model exists."""
+    check_required(config)
+    check_inputs(config)
+    dp = check_layout(config, world_size)
+    check_batches(config, world_size, dp)
+    check_models(config)
+
+
+def check_required(config: TrainConfig) -> None:
+    """The keys a run cannot do without, and a registered estimator."""
+    if not config.model.path:
+        raise ConfigError(
+            "config key model.path: the policy (a Hugging Face directory or a megatron_rl "
+            "checkpoint) is required"
+        )
+    if not config.data.path:
+        raise ConfigError("config key data.path: the prompt dataset is required")
+    if not config.rewards.reward_fns:
+        raise ConfigError("config key rewards.reward_fns: at least one reward function is needed")
+    if config.algorithm.estimator not in ADV_ESTIMATORS:
+        close = difflib.get_close_matches(config.algorithm.estimator, ADV_ESTIMATORS, n=1)
+        raise ConfigError(
+            f"config key algorithm.estimator: unknown {config.algorithm.estimator!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; registered: {sorted(ADV_ESTIMATORS)}"
+        )
+
+
+def check_layout(config: TrainConfig, world_size: int) -> int:
+    """The parallel layout against the model and the world, and the rollout engines on it;
+    returns the data-parallel size."""
+    arch = ModelSource(config.model.path).architecture()
+    try:
+        config.parallel.validate(world_size, arch)
+    except ValueError as e:
+        raise ConfigError(f"config section parallel: {e}") from None
+    r = config.rollout
+    if r.name == "hf" and (r.vllm_tensor_parallel_size or 1) > 1:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} with "
+            "rollout.name=hf: the hf engine holds the whole model on each rank (TP 1); "
+            "leave vllm_tensor_parallel_size unset or 1, or use rollout.name=vllm"
+        )
+    try:
+        rollout_layout(config, world_size).check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return config.parallel.data_parallel_size(world_size)
+
+
+def check_batches(config: TrainConfig, world_size: int, dp: int) -> None:
+    """Batch sizes that divide over DP ranks and micro-batches, groups the estimator needs,
+    and token budgets that hold the longest sequence."""
+    r, a = config.rollout, config.actor
+    if r.rollout_batch_size % dp:
+        raise ConfigError(
+            f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "
+            f"data-parallel size {dp} (world {world_size} / TP x PP {config.parallel.model_parallel_size})"
+        )
+    critic_splits_equally = config.use_critic and not config.critic.use_dynamic_bsz
+    if (not a.use_dynamic_bsz or critic_splits_equally) and a.ppo_mini_batch_size % (
+        a.micro_batch_size * dp
+    ):
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} is not divisible by "
+            f"actor.micro_batch_size x data-parallel size = {a.micro_batch_size} x {dp}"
+        )
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if samples % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"rollout.rollout_batch_size x rollout.n_samples_per_prompt = {samples} is not "
+            f"divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}"
+        )
+    needs_groups = estimator_traits(config.algorithm.estimator).needs_groups
+    if r.rating.strategy != "plain" and needs_groups:
+        if r.rating.strategy == "balance":
+            raise ConfigError(
+                f"rollout.rating.strategy=balance drops samples from groups; the group "
+                f"estimator {config.algorithm.estimator!r} needs whole groups"
+            )
+    if needs_groups and r.n_samples_per_prompt < 2:
+        raise ConfigError(
+            f"algorithm.estimator={config.algorithm.estimator!r} needs "
+            f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
+        )
+    longest = config.data.max_prompt_length + r.max_new_tokens
+    for role in ("actor", "critic"):
+        role_cfg = getattr(config, role)
+        for forward in (False, True):
+            budget = role_cfg.token_budget(forward)
+            if budget is not None and budget < longest:
+                key = role_cfg.forward_budget_key if forward else "ppo_max_token_len_per_gpu"
+                raise ConfigError(
+                    f"{role}.{key}={budget} (with use_dynamic_bsz) is below the longest "
+                    f"sequence, data.max_prompt_length + rollout.max_new_tokens = {longest}: "
+                    "one sequence must fit a micro-batch"
+                )
+
+
+def check_models(config: TrainConfig) -> None:
+    """What each model's settings ask of the run: offloads of models it has, optimizer
+    offload with low-precision parameters, value pretraining with a critic, a schedule."""
+    for key, asked, present, how in (
+        ("critic.param_offload", config.critic.param_offload, config.use_critic,
+         "critic.enable or algorithm.estimator gae"),
+        ("actor.ref_param_offload", config.actor.ref_param_offload, config.use_reference,
+         "algorithm.kl_coef or actor.loss.kl_loss_coef > 0"),
+    ):  # fmt: skip
+        if asked and not present:
+            raise ConfigError(f"{key}=true but this run has no such model (it needs {how})")
+    if config.model.precision.params_dtype == torch.float32:
+        for role in ("actor", "critic"):
+            if getattr(config, role).optimizer_offload:
+                raise ConfigError(
+                    f"{role}.optimizer_offload needs model.precision.params_dtype bfloat16 or "
+                    "float16: with float32 parameters megatron's optimizer steps the model's "
+                    "own weights, which would leave the device with it"
+                )
+    if config.critic.pretrain_steps and not config.use_critic:
+        raise ConfigError(
+            "critic.pretrain_steps > 0 needs a critic (critic.enable or estimator gae)"
+        )
+    for role in ("actor", "critic") if config.use_critic else ("actor",):
+        try:
+            scheduled_optim(config, role)
+        except ValueError as e:
+            raise ConfigError(f"{role}.{e}") from None
+
+
+def scheduled_optim(config: TrainConfig, role: str) -> OptimConfig:
+    """`role`'s optimizer settings with `lr_decay_steps` resolved to the run's planned
+    optimizer updates (`workers/optimizer.py`): ppo_epochs x samples per step /
+    ppo_mini_batch_size per PPO step, and for the critic one pass per value-pretraining step
+    before them. Planned: a step that dynamic filtering leaves short makes fewer."""
+    r, a = config.rollout, config.actor
+    per_pass = r.rollout_batch_size * r.n_samples_per_prompt // a.ppo_mini_batch_size
+    updates = config.trainer.total_steps * a.ppo_epochs * per_pass
+    if role == "critic":
+        updates += config.critic.pretrain_steps * per_pass
+    return resolve_lr_decay_steps(getattr(config, role).optim, updates)
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """Every file the run reads, and every reward function's module, found now: a missing
+    one is one ConfigError naming its key."""
+    inputs = [("model.path", config.model.path), ("data.path", config.data.path)]
+    inputs += [
+        (f"trainer.eval_sets[{i}].path", s.path) for i, s in enumerate(config.trainer.eval_sets)
+    ]
+    if config.use_critic and config.model.critic_path:
+        inputs.append(("model.critic_path", config.model.critic_path))
+    for i, fn in enumerate(config.rewards.reward_fns):
+        if getattr(fn, "model_dir", ""):  # a reward model's checkpoint
+            inputs.append((f"rewards.reward_fns[{i}].model_dir", fn.model_dir))
+    for key, path in inputs:
+        if not Path(path).exists():
+            raise ConfigError(f"config key {key}: {path}: no such file or directory")
+    hf_dir = ModelSource(config.model.path).hf_dir  # the actor templates and tokenises with it
+    if not any((hf_dir / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"config key model.path: {hf_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+        )
+    for i, fn in enumerate(config.rewards.reward_fns):
+        module = getattr(fn, "path", "").partition(":")[0]
+        if module and not _module_found(module):
+            raise ConfigError(
+                f"config key rewards.reward_fns[{i}].path: {fn.path}: no module {module!r} "
+                "on the Python path"
+            )
+
+
+def _module_found(name: str) -> bool:
+    """Whether `name` can be imported, finding it without running it (a parent package's
+    __init__ does run, as any import of the name would)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

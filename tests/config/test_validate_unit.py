@@ -1,0 +1,185 @@
+"""Validation before anything starts: layout, batch sizes, the estimator's needs, and every
+input the run reads, each named by its key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config, validate_config
+
+
+def config_for(tiny_model_dir, *overrides):
+    return load_config("examples/tiny/vapo.yaml", [f"model.path={tiny_model_dir}", *overrides])
+
+
+def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
+    validate_config(config_for(tiny_model_dir), world_size=2)
+    with pytest.raises(
+        ConfigError, match="tensor_model_parallel_size=3 does not divide num_attention_heads=4"
+    ):
+        validate_config(
+            config_for(tiny_model_dir, "parallel.tensor_model_parallel_size=3"), world_size=3
+        )
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=64 is not divisible by .* = 3 x 2"):
+        validate_config(
+            config_for(
+                tiny_model_dir, "parallel.tensor_model_parallel_size=1", "actor.micro_batch_size=3"
+            ),
+            world_size=2,
+        )
+    with pytest.raises(
+        ConfigError, match="rollout_batch_size=3 is not divisible by the data-parallel size 2"
+    ):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "parallel.tensor_model_parallel_size=1",
+                "rollout.rollout_batch_size=3",
+            ),
+            world_size=2,
+        )
+    with pytest.raises(ConfigError, match="needs rollout.n_samples_per_prompt >= 2"):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "algorithm.estimator=grpo",
+                "rollout.n_samples_per_prompt=1",
+                "actor.ppo_mini_batch_size=4",
+                "actor.micro_batch_size=4",
+            ),
+            2,
+        )
+    with pytest.raises(ConfigError, match=r"unknown 'gea' \(did you mean 'gae'\?\)"):
+        validate_config(config_for(tiny_model_dir, "algorithm.estimator=gea"), 2)
+    with pytest.raises(ConfigError, match="strategy=balance drops samples"):
+        validate_config(
+            config_for(
+                tiny_model_dir, "algorithm.estimator=grpo", "rollout.rating.strategy=balance"
+            ),
+            2,
+        )
+    with pytest.raises(ConfigError, match="critic.optimizer_offload needs model.precision"):
+        validate_config(config_for(tiny_model_dir, "critic.optimizer_offload=true"), 2)
+    bf16 = config_for(
+        tiny_model_dir, "critic.optimizer_offload=true", "model.precision.params_dtype=bfloat16"
+    )
+    validate_config(bf16, 2)
+
+
+def test_parameter_offload_of_a_model_the_run_does_not_have_is_refused(tiny_model_dir):
+    """vapo.yaml: a critic, no reference (kl_coef 0)."""
+    every = ("actor.param_offload=true", "critic.param_offload=true")
+    validate_config(config_for(tiny_model_dir, *every), 2)
+    with pytest.raises(ConfigError, match="actor.ref_param_offload=true but this run has no"):
+        validate_config(config_for(tiny_model_dir, "actor.ref_param_offload=true"), 2)
+    validate_config(
+        config_for(tiny_model_dir, "actor.ref_param_offload=true", "algorithm.kl_coef=0.01"), 2
+    )
+    rloo = ("algorithm.estimator=rloo", "critic.pretrain_steps=0")
+    with pytest.raises(ConfigError, match=r"critic.param_offload=true .* critic.enable or"):
+        validate_config(config_for(tiny_model_dir, *rloo, *every), 2)
+
+
+def test_critic_and_reference_follow_the_algorithm(tiny_model_dir):
+    assert config_for(tiny_model_dir).use_critic
+    assert not config_for(tiny_model_dir, "algorithm.estimator=rloo").use_critic
+    assert config_for(tiny_model_dir, "algorithm.estimator=rloo", "critic.enable=true").use_critic
+    assert not config_for(tiny_model_dir).use_reference  # beta = 0: no reference model at all
+    assert config_for(tiny_model_dir, "algorithm.kl_coef=0.01").use_reference
+
+
+def test_entry_point_fails_on_config_errors_before_building_anything(tiny_model_dir):
+    """No torchrun, no process group, no model: the message and exit code come first."""
+    for args, message in (
+        (["actor.optim.lrr=1"], "did you mean 'actor.optim.lr'"),
+        (
+            [f"model.path={tiny_model_dir}", "parallel.tensor_model_parallel_size=3"],
+            "does not divide num_attention_heads",
+        ),
+    ):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_rl.cli.train",
+                "--config",
+                "examples/tiny/vapo.yaml",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "WORLD_SIZE": "3"},  # as torchrun would set it for 3 ranks
+        )
+        assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+        assert "config error" in r.stderr
+
+
+def test_token_budgets_must_hold_the_longest_sequence(tiny_model_dir):
+    # the vapo recipe: max_prompt_length 128 + max_new_tokens 16
+    dynamic = ("parallel.tensor_model_parallel_size=1", "actor.use_dynamic_bsz=true")
+    with pytest.raises(ConfigError, match=r"actor.ppo_max_token_len_per_gpu=100 .* = 144"):
+        validate_config(
+            config_for(tiny_model_dir, *dynamic, "actor.ppo_max_token_len_per_gpu=100"), 2
+        )
+    with pytest.raises(ConfigError, match=r"critic.forward_max_token_len_per_gpu=143 "):
+        validate_config(
+            config_for(
+                tiny_model_dir,
+                "critic.use_dynamic_bsz=true",
+                "critic.forward_max_token_len_per_gpu=143",
+            ),
+            2,
+        )
+    # micro_batch_size no longer has to divide the mini-batch once no role splits by it ...
+    both = (*dynamic, "critic.use_dynamic_bsz=true", "actor.micro_batch_size=3")
+    validate_config(config_for(tiny_model_dir, *both), 2)
+    # ... but still does while the critic does
+    with pytest.raises(ConfigError, match="not divisible by actor.micro_batch_size"):
+        validate_config(config_for(tiny_model_dir, *dynamic, "actor.micro_batch_size=3"), 2)
+    with pytest.raises(ValueError, match="log_prob_max_token_len_per_gpu must be >= 1, got 0"):
+        config_for(tiny_model_dir, "actor.log_prob_max_token_len_per_gpu=0")
+
+
+def test_every_input_file_is_named_before_any_process_starts(tiny_model_dir, tmp_path):
+    """A missing prompt file, eval set or critic checkpoint is one ConfigError naming its key,
+    not a traceback from every rank once the process group is up."""
+    missing = tmp_path / "nowhere.jsonl"
+    for override, key in (
+        (f"data.path={missing}", "data.path"),
+        (f"trainer.eval_sets=[{{path: {missing}}}]", r"trainer.eval_sets\[0\].path"),
+        (f"model.critic_path={tmp_path / 'no-rm'}", "model.critic_path"),
+    ):
+        extra = ["trainer.eval_data_path=null"] if "eval_sets" in override else []
+        with pytest.raises(ConfigError, match=rf"config key {key}: .*: no such file or directory"):
+            validate_config(config_for(tiny_model_dir, *extra, override), world_size=2)
+
+
+def test_reward_inputs_are_named_before_any_process_starts(tiny_model_dir, tmp_path):
+    """The policy and its tokenizer, a reward model's checkpoint and a python reward's module
+    are found now."""
+    for override, message in (
+        (f"model.path={tmp_path / 'no-policy'}", r"config key model.path: .*no-policy: no such"),
+        (
+            f"rewards.reward_fns=[{{type: reward_model, model_dir: {tmp_path / 'no-rm'}}}]",
+            r"config key rewards.reward_fns\[0\].model_dir: .*no-rm: no such file",
+        ),
+        (
+            "rewards.reward_fns=[{type: math}, {type: python, path: 'no_such_pkg.rw:score'}]",
+            r"rewards.reward_fns\[1\].path: no_such_pkg.rw:score: no module 'no_such_pkg.rw'",
+        ),
+    ):
+        config = config_for(tiny_model_dir, override)
+        with pytest.raises(ConfigError, match=message):
+            validate_config(config, world_size=2)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"config key model.path: .*no-tokenizer: no tokenizer"):
+        validate_config(config_for(no_tokenizer), world_size=2)
+    good = "rewards.reward_fns=[{type: python, path: 'tests.reward_fns:constant'}]"
+    validate_config(config_for(tiny_model_dir, good), world_size=2)
