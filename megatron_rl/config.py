@@ -26,7 +26,7 @@ import yaml
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, AdvantageConfig
 from megatron_rl.data.prompts import PromptDataConfig
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig

@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, build_gpt_model_chunks
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 class ValueHead(torch.nn.Module):

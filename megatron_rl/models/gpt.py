@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.rope import yarn_inv_freq
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 class RMSNorm(torch.nn.Module):
@@ -314,7 +314,7 @@ def build_gpt_model_chunks(
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
 
-    Requires `megatron_rl.platform.initialize` to have run. Weights are randomly initialised
+    Requires `megatron_rl.distributed.initialize` to have run. Weights are randomly initialised
     (deterministically from the seed); load real ones with `megatron_rl.models.hf_mapping`.
     """
     from megatron.core import parallel_state

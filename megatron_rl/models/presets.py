@@ -10,7 +10,7 @@ from megatron_rl.models.architecture import ModelArchitecture
 _QWEN2 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 PRESETS: dict[str, dict] = {
-    # megatron_rl.models.tiny's default shape.
+    # examples.tiny_model's default shape.
     "tiny": dict(_QWEN2, num_hidden_layers=4, hidden_size=128, intermediate_size=352,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
                  tie_word_embeddings=False),

@@ -6,7 +6,7 @@ data-parallel group (identity with one DP rank); metrics are reduced over every 
 request on any rank stops all of them. No other module all-reduces for these.
 
 Devices: under NCCL (every group on GPU) a collective takes only CUDA tensors, so the
-metadata made here (counts, flags, sizes) is made on `platform.device()`, and data tensors
+metadata made here (counts, flags, sizes) is made on `distributed.device()`, and data tensors
 are reduced on the device they arrive on (the role's). Object collectives (`reduce_over_ranks`,
 `*_over_model_parallel`) pickle through the current CUDA device by themselves.
 """
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
 from megatron_rl.algorithms.masked import Moments
 from megatron_rl.data.batch import TrainingBatch, balanced_assignment
+from megatron_rl.parallel import distributed
 
 
 def _data_parallel_group():
@@ -47,7 +47,7 @@ def data_parallel_max(t: torch.Tensor) -> torch.Tensor:
 
 def data_parallel_min(value: int) -> int:
     """The smallest `value` over the data-parallel ranks."""
-    t = torch.tensor([value], dtype=torch.long, device=platform.device())
+    t = torch.tensor([value], dtype=torch.long, device=distributed.device())
     group = _data_parallel_group()
     if group is not None:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
@@ -155,7 +155,7 @@ def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank of the world."""
-    t = torch.tensor([1.0 if flag else 0.0], device=platform.device())
+    t = torch.tensor([1.0 if flag else 0.0], device=distributed.device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 

@@ -20,12 +20,12 @@ def current_layout():
     """The TP/PP layout megatron-core was initialised with (the RM shares the trainer's)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.platform import ParallelLayout
+    from megatron_rl.parallel.distributed import ParallelLayout
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "reward model backend 'megatron' scores inside the torchrun world: call "
-            "megatron_rl.platform.initialize first (or use backend: hf)"
+            "megatron_rl.distributed.initialize first (or use backend: hf)"
         )
     return ParallelLayout(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl import platform
+from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import (
     ENGINE_MEMORY,
     EngineAsleep,
@@ -119,7 +119,7 @@ class HFEngine:
                 f"hf engine: EngineConfig.extra takes only load_format in {LOAD_FORMATS}, got "
                 f"{cfg.extra}"
             )
-        self.device = device or platform.device()
+        self.device = device or distributed.device()
         torch_dtype = DTYPES[cfg.dtype]
         if load_format == "dummy":
             hf_config = AutoConfig.from_pretrained(model_dir)

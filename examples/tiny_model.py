@@ -1,6 +1,6 @@
 """Write a tiny random-initialised Qwen2 (or Qwen3, Llama) checkpoint in Hugging Face format.
 
-    python -m megatron_rl.models.tiny --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
+    python -m examples.tiny_model --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
         --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
 
 The checkpoint is the shared fixture of the tests: safetensors weights, config.json, a

@@ -3,7 +3,7 @@
 `initialize(layout)` is what every distributed entry point calls first. It
 1. validates the parallel layout against the world size and the model (before any process
    group exists, so a bad layout costs nothing and names the numbers),
-2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.cpu_compat`),
+2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.parallel.cpu_compat`),
 3. initialises torch.distributed (NCCL on GPU, gloo on CPU) from torchrun's environment,
 4. builds Megatron's TP/PP/DP groups (`parallel_state.initialize_model_parallel`),
 5. seeds torch and Megatron's model-parallel RNG tracker.
@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the model is checked against the layout; platform never builds one
+from megatron_rl.parallel import cpu_compat
+from megatron_rl.procutil import THREAD_ENV_VARS, free_port
+
+if TYPE_CHECKING:  # the model is checked against the layout; this module never builds one
     from megatron_rl.models.architecture import ModelArchitecture
 
 
@@ -152,8 +157,6 @@ def initialize(
     local_rank = _env_int("LOCAL_RANK", 0)
     layout.validate(world_size, arch)
 
-    from megatron_rl import cpu_compat
-
     compat = cpu_compat.apply()
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -166,8 +169,6 @@ def initialize(
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from megatron_rl.launch import free_port
-
             # a lone process (a warm start, a tool) takes a free port: two at once on one
             # host met on a fixed one (EADDRINUSE)
             os.environ["MASTER_PORT"] = str(free_port() if world_size == 1 else 29500)
@@ -178,6 +179,7 @@ def initialize(
             timeout=datetime.timedelta(minutes=layout.distributed_timeout_minutes),
         )
 
+    # why: megatron-core takes seconds to import; a layout error above is reported first
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
@@ -226,10 +228,6 @@ def device() -> torch.device:
 
 def seed_everything(seed: int) -> None:
     """Python's `random`, NumPy's global generator and torch's (CPU and CUDA)."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -242,8 +240,6 @@ def pin_threads(threads: int) -> dict[str, str]:
     differs between machines."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    from megatron_rl.launch import THREAD_ENV_VARS
-
     torch.set_num_threads(threads)
     env = {name: str(threads) for name in THREAD_ENV_VARS}
     os.environ.update(env)
@@ -252,7 +248,7 @@ def pin_threads(threads: int) -> dict[str, str]:
 
 def destroy() -> None:
     """Tear down Megatron's groups and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # why: as in `initialize`, megatron loads late
 
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
