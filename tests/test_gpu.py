@@ -7,12 +7,12 @@ GPU has (bf16 kernels, the TE layer spec, FP8 GEMMs).
 import pytest
 import torch
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import (
     PrecisionConfig,
     build_gpt_model_chunks,
     transformer_engine_available,
 )
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -53,7 +53,7 @@ def forward(chunks, ids):
 
 
 def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     distributed.initialize(distributed.ParallelLayout(), arch=arch)
     ids = tokens(arch)
     fp32 = build_gpt_model_chunks(arch, distributed.ParallelLayout(), use_transformer_engine=False)
@@ -68,7 +68,7 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
 
 @needs_te
 def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
@@ -86,7 +86,7 @@ def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
     reason="needs Hopper",
 )
 def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
@@ -103,7 +103,7 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     from megatron_rl.models.dist_checkpoint import load_role, save_role
     from megatron_rl.workers.optimizer import OptimConfig
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
@@ -133,7 +133,7 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     parameter without), and two steps with offloading in between equal two steps without."""
     from megatron_rl.workers.optimizer import OptimConfig
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
@@ -177,7 +177,7 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     from megatron_rl.workers.losses_config import ValueLossConfig
     from tests.torchrun.actor_critic import global_batch
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
+    arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
     ctx = distributed.initialize(layout, arch=arch)
     assert ctx.backend == "nccl" and distributed.device().type == "cuda"

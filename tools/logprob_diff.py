@@ -44,14 +44,14 @@ def parse_args(argv):
 @record
 def worker(a) -> None:
     from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.numerics import Tolerance, compare
     from megatron_rl.parallel import distributed
     from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
     from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
 
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
 
     from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
     from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.models.hf_mapping import export_hf_tensors
     from megatron_rl.parallel import distributed
     from megatron_rl.rollout.vllm_engine import Sample
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     from megatron_rl.workers.optimizer import OptimConfig
     from megatron_rl.workers.policy import Actor
 
-    arch = ModelArchitecture.from_hf_config(a.model)
+    arch = read_hf_config(a.model)
     layout = distributed.ParallelLayout()
     distributed.pin_threads(a.threads)
     distributed.initialize(layout, arch=arch, seed=a.seed, deterministic=True)

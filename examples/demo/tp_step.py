@@ -17,8 +17,8 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel import distributed
 
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--tp", type=int, default=2)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(tensor_model_parallel_size=a.tp)
     ctx = distributed.initialize(layout, arch=arch)
     (model,) = build_gpt_model_chunks(arch, layout)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import HF_META_SUBDIR, METADATA, load_role, read_metadata
+from megatron_rl.models.hf_config import read_hf_config
 
 VALUE_HEAD = "output_layer.weight"
 """A critic chunk's value head; a policy's vocabulary projection under the same name."""
@@ -42,7 +43,7 @@ class ModelSource:
     def architecture(self) -> ModelArchitecture:
         if self.is_megatron:
             return read_metadata(self.path)[1]
-        return ModelArchitecture.from_hf_config(self.path)
+        return read_hf_config(self.path)
 
     def load_policy(self, chunks: list, arch: ModelArchitecture) -> None:
         """Policy weights (actor, reference) into this rank's GPT chunks."""

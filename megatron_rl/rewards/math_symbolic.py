@@ -1,7 +1,7 @@
 """The `math` reward's default backend: answers judged equal by symbolic equivalence, with
 Hugging Face's math-verify (github.com/huggingface/Math-Verify; used by open-r1, TRL, verl).
 
-The final answer is extracted by the same rules as the fast backend (`math_reward.py`: last
+The final answer is extracted by the same rules as the fast backend (`math_answers.py`: last
 `\\boxed{}`, "answer is", "####", optionally the last number); prediction and label are
 then parsed as LaTeX (or plain expressions) into sympy and compared: numbers, fractions,
 radicals, pi, powers, percent, units, degrees, intervals, tuples, sets, matrices,
@@ -20,7 +20,7 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from megatron_rl.rewards.math_reward import answers_match
+from megatron_rl.rewards.math_answers import answers_match
 
 # math-verify warns on every call that its own timeouts are off: that is on purpose here.
 logging.getLogger("math_verify").setLevel(logging.ERROR)

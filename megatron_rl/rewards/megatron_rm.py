@@ -37,13 +37,13 @@ class MegatronRewardModel(HFRewardModel):
     """Same rendering and interface as `HFRewardModel`; the forward pass is Megatron's."""
 
     def _load_model(self, model_dir: str | Path, dtype: str) -> None:
-        from megatron_rl.models.architecture import ModelArchitecture
         from megatron_rl.models.critic import build_critic_chunks, load_value_head
         from megatron_rl.models.gpt import PrecisionConfig
+        from megatron_rl.models.hf_config import read_hf_config
         from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
         from megatron_rl.workers.roles import MegatronRole
 
-        arch = ModelArchitecture.from_hf_config(model_dir)
+        arch = read_hf_config(model_dir)
         layout = current_layout()
         precision = PrecisionConfig(params_dtype=getattr(torch, dtype))
         chunks = build_critic_chunks(arch, layout, precision)

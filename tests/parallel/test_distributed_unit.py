@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import cpu_compat, distributed
 from megatron_rl.parallel.distributed import ParallelLayout
 
@@ -14,7 +14,7 @@ def test_world_size_not_divisible_names_the_numbers():
 
 
 def test_tp_must_divide_heads_and_kv_heads(tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 heads, 2 KV heads
+    arch = read_hf_config(tiny_model_dir)  # 4 heads, 2 KV heads
     with pytest.raises(
         ValueError, match="tensor_model_parallel_size=4 does not divide num_key_value_heads=2"
     ):
@@ -26,7 +26,7 @@ def test_tp_must_divide_heads_and_kv_heads(tiny_model_dir):
 
 
 def test_layers_must_split_over_pipeline_chunks(tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 layers
+    arch = read_hf_config(tiny_model_dir)  # 4 layers
     layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)
     with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by .* = 8"):
         layout.validate(world_size=2, arch=arch)

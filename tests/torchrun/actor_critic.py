@@ -12,7 +12,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.parallel import distributed
 from megatron_rl.parallel.collectives import balance_over_data_parallel
@@ -112,7 +112,7 @@ def main():
     p.add_argument("--out-dir", required=True)
     p.add_argument("--layouts", required=True, help="comma-separated names of LAYOUTS")
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     batch = global_batch(arch.vocab_size)
     for name in a.layouts.split(","):
         run_layout(name, arch, a.hf_dir, batch, a.out_dir)

@@ -6,7 +6,7 @@ import argparse
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.critic import Critic
@@ -30,7 +30,7 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(tensor_model_parallel_size=2)
     ctx = distributed.initialize(layout, arch=arch)
     batch = global_batch(arch.vocab_size)

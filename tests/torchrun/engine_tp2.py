@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
@@ -26,7 +26,7 @@ def main():
     p.add_argument("--sync-dir", required=True)
     p.add_argument("--jobs", type=int, required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     distributed.initialize(distributed.ParallelLayout(tensor_model_parallel_size=2), arch=arch)
     engine = VLLMEngine(
         a.hf_dir, EngineConfig(max_model_len=256, external_launcher=True, tensor_parallel_size=2)

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors, load_hf_into_megatron
 from megatron_rl.parallel import distributed
 from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
@@ -41,7 +41,7 @@ def main():
     tp2 = distributed.ParallelLayout(tensor_model_parallel_size=2)
     sp = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
     for hf_dir in a.hf_dirs:
-        arch = ModelArchitecture.from_hf_config(hf_dir)
+        arch = read_hf_config(hf_dir)
         tokens = fixed_tokens(arch.vocab_size, seq=a.seq)
         _, tp1_logits, _ = run_layout(distributed.ParallelLayout(), arch, hf_dir, tokens)
         ctx, tp2_logits, exported = run_layout(tp2, arch, hf_dir, tokens, export=True)

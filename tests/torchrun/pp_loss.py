@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks, layer_offset
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel import distributed
 from tests.torchrun.common import fixed_tokens, position_ids
@@ -82,7 +82,7 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out-dir", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     batch = fixed_tokens(arch.vocab_size, batch=MICRO_BATCHES * MICRO_BATCH_SIZE, seq=SEQ)
     result = {
         "pp1": run(distributed.ParallelLayout(), arch, a.hf_dir, batch),

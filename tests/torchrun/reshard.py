@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import load_role
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.parallel import distributed
 from megatron_rl.trainer.checkpoint import load_roles, save_roles
@@ -45,7 +45,7 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--load", action="store_true")
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )

@@ -10,8 +10,8 @@ import argparse
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel import distributed
 from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
@@ -38,7 +38,7 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     tokens = fixed_tokens(arch.vocab_size)
     _, tp1, _ = logits_under(distributed.ParallelLayout(), arch, a.hf_dir, tokens, backward=False)
     ctx, tp2, grads = logits_under(

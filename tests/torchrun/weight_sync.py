@@ -11,7 +11,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.data.batch import samples_to_batch
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
@@ -35,7 +35,7 @@ def main():
     p.add_argument("--vllm-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=512)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = LAYOUTS[a.layout]
     ctx = distributed.initialize(layout, arch=arch)
     actor = Actor(arch, layout, a.hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
