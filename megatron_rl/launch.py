@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from megatron_rl.preemption import STOP_FILE_ENV, STOP_SIGNALS, request_stop, stop_file
 from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
@@ -54,7 +56,6 @@ def _tail(text: str, chars: int = 12000) -> str:
 
 def kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM torchrun (it forwards to its workers), then SIGKILL whatever is left."""
-    import psutil
 
     try:
         family = psutil.Process(proc.pid).children(recursive=True)

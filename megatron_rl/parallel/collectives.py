@@ -14,6 +14,7 @@ are reduced on the device they arrive on (the role's). Object collectives (`redu
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
 from megatron_rl.algorithms.masked import Moments
@@ -22,6 +23,7 @@ from megatron_rl.parallel import distributed
 
 
 def _data_parallel_group():
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     if parallel_state.get_data_parallel_world_size() == 1:
@@ -135,7 +137,6 @@ def data_parallel_explained_variance(
 def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Mean of each key over the ranks that report it (`*_max`: the max, `*_min`: the min;
     PP stages report different keys, TP ranks the same values). Every rank gets the result."""
-    import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(metrics)
@@ -162,7 +163,7 @@ def any_rank(flag: bool) -> bool:
 
 def _model_parallel_group():
     """This rank's tensor x pipeline group, or None when it has one rank (or no world)."""
-    import torch.distributed as dist
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():

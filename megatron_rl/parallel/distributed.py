@@ -18,7 +18,7 @@ import datetime
 import os
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,8 +26,12 @@ import torch
 from megatron_rl.parallel import cpu_compat
 from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
-if TYPE_CHECKING:  # the model is checked against the layout; this module never builds one
-    from megatron_rl.models.architecture import ModelArchitecture
+
+class ShardableModel(Protocol):
+    """What a layout checks of a model (`models.architecture.ModelArchitecture` is one): a
+    protocol, so the parallel layer needs nothing from the models above it."""
+
+    def check_divisible(self, tp: int, layer_chunks: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class ParallelLayout:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // self.model_parallel_size
 
-    def validate(self, world_size: int, arch: ModelArchitecture | None = None) -> None:
+    def validate(self, world_size: int, arch: ShardableModel | None = None) -> None:
         """Raise ValueError, naming the numbers, if this layout cannot run.
 
         Checked before any process group is created.
@@ -140,7 +144,7 @@ def _env_int(name: str, default: int) -> int:
 def initialize(
     layout: ParallelLayout,
     *,
-    arch: ModelArchitecture | None = None,
+    arch: ShardableModel | None = None,
     seed: int = 1234,
     deterministic: bool = False,
 ) -> DistributedContext:

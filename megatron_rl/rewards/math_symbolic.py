@@ -30,6 +30,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 def _parsed(text: str) -> tuple:
     """math-verify's parse of `text` as inline LaTeX (with plain-expression fallback); () when
     nothing parses. Cached: labels repeat over a group's samples."""
+    # why: math-verify loads sympy (seconds): only the symbolic backend needs it
     from math_verify import parse
 
     return tuple(parse(f"${text}$", parsing_timeout=None))
@@ -40,6 +41,7 @@ def symbolic_match(prediction: str, label: Any, rel_tol: float = 1e-6) -> bool:
     symbolically (math-verify, rounding floats to 6 decimals as it does)."""
     if answers_match(prediction, label, rel_tol):
         return True
+    # why: math-verify loads sympy (seconds): only the symbolic backend needs it
     from math_verify import verify
 
     gold, pred = _parsed(str(label)), _parsed(prediction)

@@ -102,6 +102,7 @@ class HFEngine:
         config: EngineConfig | None = None,
         device: torch.device | None = None,
     ):
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = cfg = config or EngineConfig()
@@ -277,6 +278,7 @@ class HFEngine:
         """The decode loop over rows (one per sample): left-padded prefill [B, P], then one
         token per row per step [B, 1] through the KV cache, until every row stopped.
         Returns per row its tokens, their processed log-probs and its finish reason."""
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import DynamicCache
 
         b, longest = len(prompts), max(map(len, prompts))

@@ -71,6 +71,7 @@ def all_stage_tensors(
     chunks: list, arch: ModelArchitecture, bucket_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model on every rank (PP stages broadcast in buckets)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
