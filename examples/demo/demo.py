@@ -40,7 +40,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from examples.demo.tasks import TASKS, DemoTask
+from examples.demo.tp_step import demo_batch, next_token_loss
+from examples.tiny_model import make_tiny_model
+from megatron_rl.algorithms.losses import settled_explained_variance
+from megatron_rl.config import load_config
+from megatron_rl.launch import run_torchrun
+from megatron_rl.parallel.distributed import pin_threads
+from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
 DEFAULT_DIR = Path("runs/demo")
 MIN_GAIN = 0.25
@@ -49,16 +58,12 @@ machine-to-machine differences in CPU rounding move a run by."""
 
 
 def ensure_tiny_model(path: Path) -> Path:
-    from examples.tiny_model import make_tiny_model
-
     if (path / "config.json").exists():
         return path
     return make_tiny_model(path)
 
 
 def megatron_step(model_dir: Path) -> dict:
-    from megatron_rl.launch import run_torchrun
-
     result = run_torchrun(
         "examples.demo.tp_step", ["--hf-dir", str(model_dir), "--tp", "2"], timeout=600
     )
@@ -69,10 +74,8 @@ def megatron_step(model_dir: Path) -> dict:
 
 
 def hf_reference_loss(model_dir: Path) -> float:
-    import torch
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoModelForCausalLM
-
-    from examples.demo.tp_step import demo_batch, next_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = demo_batch(model.config.vocab_size)
@@ -81,9 +84,8 @@ def hf_reference_loss(model_dir: Path) -> float:
 
 
 def vllm_generation(model_dir: Path, n: int) -> dict:
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoTokenizer
-
-    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = ["What is 12 + 30?", "What is 7 * 6?"]
@@ -152,8 +154,6 @@ def warm_start(
 def run_rl(
     recipe: str, model_dir: Path, out: Path, seed: int, overrides=(), echo: bool = True
 ) -> None:
-    from megatron_rl.launch import run_torchrun
-
     if out.exists():
         shutil.rmtree(out)  # a fresh run, not a resume
     args = [
@@ -171,7 +171,6 @@ def read_curves(metrics_file: Path) -> dict:
     """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
     evaluated; and the critic's explained variance where value pretraining ended (the mean of
     its last steps, `settled_explained_variance`; None without value pretraining)."""
-    from megatron_rl.algorithms.losses import settled_explained_variance
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]
@@ -193,9 +192,11 @@ def weak_critics(curves: dict[int, dict], floor: float) -> list[int]:
 
 
 def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -> None:
+    # why: optional (the `demo` extra) and slow to import: only the plot needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # why: optional (the `demo` extra) and slow to import: only the plot needs it
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -235,9 +236,6 @@ def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_rl.config import load_config
-    from megatron_rl.parallel.distributed import pin_threads
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--smoke", action="store_true", help="only the stack check")

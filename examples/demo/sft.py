@@ -20,8 +20,18 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
+from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.fsutil import atomic_output_dir
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel import distributed
+from megatron_rl.rollout.vllm_engine import Sample
+from megatron_rl.workers.losses_config import PolicyLossConfig
+from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.policy import Actor
 
 
 def main(argv=None) -> None:
@@ -38,18 +48,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (fixed on purpose)")
     a = p.parse_args(argv)
 
-    from safetensors.torch import save_file
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoTokenizer
-
-    from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
-    from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.models.hf_config import read_hf_config
-    from megatron_rl.models.hf_mapping import export_hf_tensors
-    from megatron_rl.parallel import distributed
-    from megatron_rl.rollout.vllm_engine import Sample
-    from megatron_rl.workers.losses_config import PolicyLossConfig
-    from megatron_rl.workers.optimizer import OptimConfig
-    from megatron_rl.workers.policy import Actor
 
     arch = read_hf_config(a.model)
     layout = distributed.ParallelLayout()

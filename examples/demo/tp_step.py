@@ -39,6 +39,7 @@ def next_token_loss(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor) -> torch.
 
 @record
 def main() -> None:
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import tensor_parallel
 
     p = argparse.ArgumentParser()
@@ -86,7 +87,10 @@ def main() -> None:
 
 def model_parallel_grad_norm(model) -> float:
     """L2 norm of the full model's gradient, each TP-replicated parameter counted once."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
+
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     sq = sum(
