@@ -24,19 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.rewards.math_answers import answers_match, extract_answer, parse_number
+from megatron_rl.rewards.math_answers import answers_match, extract_answer
 from megatron_rl.rewards.math_symbolic import symbolic_match
-
-__all__ = [
-    "BACKENDS",
-    "MathVerifierConfig",
-    "Verdict",
-    "answers_match",
-    "extract_answer",
-    "math_reward",
-    "parse_number",
-    "verify",
-]
 
 BACKENDS = ("math_verify", "fast")
 
