@@ -1,6 +1,6 @@
 """Unit tier: the package's layering, read from the source with `ast` (nothing is imported).
 
-Three rules over every module of `megatron_rl/`:
+Four rules over every module of `megatron_rl/`:
 
 (a) no import cycle between modules, counting imports inside functions too (a function-level
     import hides a cycle from Python, not from the design);
@@ -8,7 +8,8 @@ Three rules over every module of `megatron_rl/`:
     layer of the longest name that covers it) and imports only from its own layer or below;
 (c) a function-level import says why on its line or the line above (`# why: ...`): only a
     heavy or optional dependency (megatron-core, transformers, vLLM, ray, ...) or a
-    deliberate start-up-time choice is imported late.
+    deliberate start-up-time choice is imported late;
+(d) no import of `examples`, `tools` or `tests`: they are not installed.
 
 Imports under `if TYPE_CHECKING:` count for (b) and (c) as any other (a type is a dependency
 too) but not for (a), since they never run.
@@ -216,6 +217,23 @@ def upward_imports(
     return bad
 
 
+def imports_of_outside(root: Path, package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Imports (anywhere in a module) of top-level packages the library must not need: the
+    examples, the tools and the tests run from the repository root and are not installed."""
+    bad = []
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{rel}:{node.lineno}: {n}" for n in names if n.split(".")[0] in forbidden]
+    return bad
+
+
 def _unexplained_in(rel: str, text: str) -> list[str]:
     lines = text.splitlines()
 
@@ -275,6 +293,10 @@ def test_no_upward_import(imports):
 def test_every_module_has_a_layer():
     for name in package_modules(ROOT, PACKAGE):
         layer_of(name, LAYERS)
+
+
+def test_the_library_imports_no_examples_tools_or_tests():
+    assert imports_of_outside(ROOT, PACKAGE, ("examples", "tools", "tests")) == []
 
 
 def test_every_late_import_says_why():
@@ -359,3 +381,12 @@ def test_a_late_import_without_a_why_is_found(tmp_path):
         "pkg/a.py:4: import torch",
         "pkg/a.py:8: import numpy",
     ]
+
+
+def test_an_import_of_the_examples_is_found(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "import json\n\ndef f():\n    from examples.tiny_model import make  # why: x\n",
+    })  # fmt: skip
+    found = imports_of_outside(tmp_path, "pkg", ("examples", "tools"))
+    assert found == ["pkg/a.py:4: examples.tiny_model"]
