@@ -31,7 +31,7 @@ $(STAMP): $(LOCKED) pyproject.toml setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megatron_rl.cli.demo $(DEMO_ARGS)
+	$(PY) -m examples.demo.demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m ruff check .

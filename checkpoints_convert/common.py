@@ -32,7 +32,7 @@ def fail(message) -> None:
 def checked_layout(tp: int, pp: int, arch: ModelArchitecture | None = None):
     """The TP x PP layout these commands run with (world size = TP * PP); with `arch`, a
     layout that cannot split the model exits with one line naming the numbers."""
-    from megatron_rl.platform import ParallelLayout
+    from megatron_rl.parallel.distributed import ParallelLayout
 
     layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if arch is not None:
@@ -77,7 +77,7 @@ def launch_self(module: str, argv: list[str], nproc: int, extra: list[str]) -> N
 
 def load_megatron_checkpoint(ckpt_dir: Path, layout):
     """Build this rank's chunks for the checkpoint's role and load them at `layout` (any
-    TP/PP: megatron's sharded tensors reshard on load). Needs platform.initialize first."""
+    TP/PP: megatron's sharded tensors reshard on load). Needs distributed.initialize first."""
     from megatron_rl.models.critic import build_critic_chunks
     from megatron_rl.models.gpt import build_gpt_model_chunks
 

@@ -31,6 +31,7 @@ from checkpoints_convert.common import (
 )
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import save_role, write_metadata
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
 
 
@@ -59,7 +60,7 @@ def open_reader(args):
 def check_inputs(args) -> ModelArchitecture:
     """Everything that can be wrong with the inputs, found before any process starts."""
     try:
-        arch = ModelArchitecture.from_hf_config(args.hf_dir)
+        arch = read_hf_config(args.hf_dir)
     except (ValueError, FileNotFoundError) as e:
         fail(e)
     checked_layout(args.tp, args.pp, arch)
@@ -73,14 +74,14 @@ def check_inputs(args) -> ModelArchitecture:
 def worker(args) -> None:
     import torch
 
-    from megatron_rl import platform
     from megatron_rl.models.critic import build_critic_chunks, load_value_head
     from megatron_rl.models.gpt import build_gpt_model_chunks
     from megatron_rl.models.hf_mapping import load_hf_into_megatron
+    from megatron_rl.parallel import distributed
 
-    arch = ModelArchitecture.from_hf_config(args.hf_dir)
+    arch = read_hf_config(args.hf_dir)
     layout = checked_layout(args.tp, args.pp)
-    platform.initialize(layout, arch=arch)
+    distributed.initialize(layout, arch=arch)
     reader = open_reader(args)
     if args.role == "critic":
         chunks = build_critic_chunks(arch, layout, use_transformer_engine=False)
@@ -91,7 +92,7 @@ def worker(args) -> None:
         load_hf_into_megatron(chunks, reader, arch)
     save_role(chunks, None, args.work_dir)
     torch.distributed.barrier()
-    platform.destroy()
+    distributed.destroy()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,17 +46,17 @@ def parse_args(argv):
 
 
 def worker(args) -> None:
-    from megatron_rl import platform
     from megatron_rl.models.hf_export import save_hf_pretrained
+    from megatron_rl.parallel import distributed
 
     layout = checked_layout(args.tp, args.pp)
-    platform.initialize(layout)
+    distributed.initialize(layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     max_bytes = args.max_shard_mb * 2**20
     save_hf_pretrained(
         chunks, arch, meta["role"], args.ckpt_dir / HF_META_SUBDIR, args.work_dir, max_bytes
     )
-    platform.destroy()
+    distributed.destroy()
 
 
 def role_dir(ckpt_dir: Path, role: str | None) -> Path:

@@ -55,12 +55,12 @@ def fixed_tokens(vocab_size: int, batch: int = 2, seq: int = 32) -> torch.Tensor
 def worker(args) -> None:
     from megatron.core import tensor_parallel
 
-    from megatron_rl import platform
     from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.parallel import distributed
     from megatron_rl.workers.schedule import run_schedule
 
     layout = checked_layout(args.tp, args.pp)
-    ctx = platform.initialize(layout)
+    ctx = distributed.initialize(layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     for c in chunks:
         c.eval()
@@ -76,7 +76,7 @@ def worker(args) -> None:
         parts = run_schedule(chunks, [batch], collect, forward_only=True, collect_outputs=True)
     if ctx.is_last_pp_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0:
         torch.save(torch.cat(parts), args.work_file)
-    platform.destroy()
+    distributed.destroy()
 
 
 def hf_outputs(hf_dir: Path, role: str, ids: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from megatron_rl.preemption import STOP_FILE_ENV, STOP_SIGNALS, request_stop, stop_file
+from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
 SHUTDOWN_TIMEOUT_S = 900
 """torchrun's wait between SIGTERM and SIGKILL of its workers: a step and a save of a large run."""
-
-THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-"""The thread-count variables of OpenMP, MKL and OpenBLAS, read by child processes."""
 
 
 class TorchrunError(RuntimeError):
@@ -51,19 +50,12 @@ class TorchrunResult:
     output: str
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(text: str, chars: int = 12000) -> str:
     return text if len(text) <= chars else "...\n" + text[-chars:]
 
 
 def kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM torchrun (it forwards to its workers), then SIGKILL whatever is left."""
-    import psutil
 
     try:
         family = psutil.Process(proc.pid).children(recursive=True)

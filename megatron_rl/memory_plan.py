@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.presets import layer_param_count, param_count
+from megatron_rl.rollout.replica import RolloutLayout
 
 GiB = 2**30
 RECOMPUTE = (None, "selective", "full")
@@ -133,8 +134,6 @@ class MemoryPlanConfig:
             )
         self._check_offload()
         if self.vllm_tensor_parallel_size is not None:
-            from megatron_rl.rollout.replica import RolloutLayout
-
             tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
             try:  # an engine across two model replicas is refused by the trainer too
                 RolloutLayout(

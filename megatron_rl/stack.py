@@ -179,6 +179,7 @@ def _te_import_error(packages: dict[str, str | None]) -> str | None:
     ):
         return None
     try:
+        # why: optional: probed, not required
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:  # any failure is the finding: ImportError, OSError, RuntimeError
         return f"{type(e).__name__}: {e}"
@@ -187,6 +188,7 @@ def _te_import_error(packages: dict[str, str | None]) -> str | None:
 
 def gather_stack() -> Stack:
     """Read the installed stack: metadata for versions; torch for CUDA, GPUs and NCCL."""
+    # why: the doctor reports a torch that fails to import instead of dying of it
     import torch
 
     project_requires = _project_requires()

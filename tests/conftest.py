@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
+from examples.tiny_model import TinyModelSpec, make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The Hugging Face families the converters support, as tiny random checkpoints: one row per
 family and variant. Shared by the conversion, vLLM and gradient tests (`family_dir` fixture)."""
 
-from megatron_rl.models.tiny import TinyModelSpec
+from examples.tiny_model import TinyModelSpec
 
 LLAMA3_ROPE = dict(
     rope_type="llama3",

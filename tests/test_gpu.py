@@ -7,14 +7,14 @@ GPU has (bf16 kernels, the TE layer spec, FP8 GEMMs).
 import pytest
 import torch
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import (
     PrecisionConfig,
     build_gpt_model_chunks,
     transformer_engine_available,
 )
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
 from tests.tolerances import BF16_MODEL, assert_close
@@ -27,7 +27,7 @@ needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs 
 def single_rank(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29533")
     yield
-    platform.destroy()
+    distributed.destroy()
 
 
 def tokens(arch, b=2, s=64):
@@ -53,13 +53,13 @@ def forward(chunks, ids):
 
 
 def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    platform.initialize(platform.ParallelLayout(), arch=arch)
+    arch = read_hf_config(tiny_model_dir)
+    distributed.initialize(distributed.ParallelLayout(), arch=arch)
     ids = tokens(arch)
-    fp32 = build_gpt_model_chunks(arch, platform.ParallelLayout(), use_transformer_engine=False)
+    fp32 = build_gpt_model_chunks(arch, distributed.ParallelLayout(), use_transformer_engine=False)
     load_hf_into_megatron(fp32, tiny_model_dir, arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
-    actor = Actor(arch, platform.ParallelLayout(), tiny_model_dir, precision=bf16)
+    actor = Actor(arch, distributed.ParallelLayout(), tiny_model_dir, precision=bf16)
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
     batch = cuda_global_batch(arch)
     metrics = actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
@@ -68,9 +68,9 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
 
 @needs_te
 def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    layout = platform.ParallelLayout()
-    platform.initialize(layout, arch=arch)
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     local = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=False)
     te = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=True)
@@ -86,9 +86,9 @@ def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
     reason="needs Hopper",
 )
 def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    layout = platform.ParallelLayout()
-    platform.initialize(layout, arch=arch)
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
     actor = Actor(arch, layout, tiny_model_dir, precision=fp8)
     batch = cuda_global_batch(arch)  # S=23: padded to 16-multiples by the actor
@@ -103,9 +103,9 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     from megatron_rl.models.dist_checkpoint import load_role, save_role
     from megatron_rl.workers.optimizer import OptimConfig
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    layout = platform.ParallelLayout()
-    platform.initialize(layout, arch=arch)
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=True)
     batch = cuda_global_batch(arch)
@@ -123,9 +123,9 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("distributed", [False, True])
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
-    single_rank, tiny_model_dir, distributed
+    single_rank, tiny_model_dir, distributed_optimizer
 ):
     """grad_offload / optimizer_offload / param_offload free device memory between updates:
     the device memory drops by at least the parameters' bytes, which wait in pinned host
@@ -133,11 +133,11 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     parameter without), and two steps with offloading in between equal two steps without."""
     from megatron_rl.workers.optimizer import OptimConfig
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    layout = platform.ParallelLayout()
-    platform.initialize(layout, arch=arch)
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
-    optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed)
+    optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed_optimizer)
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig()
     plain = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
@@ -153,7 +153,7 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
         assert all(p.is_cuda and p.untyped_storage().nbytes() == 0 for p in params)
         assert all(h.is_pinned() and h.device.type == "cpu" for h in away.host)
         buffers = sum(len(c.buffers) for c in offloaded._chunks)
-        assert len(away.storages) == (buffers if distributed else len(params))
+        assert len(away.storages) == (buffers if distributed_optimizer else len(params))
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         assert offloaded.offloaded_param_bytes >= param_bytes
         assert before - torch.cuda.memory_allocated() > param_bytes
@@ -177,10 +177,10 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     from megatron_rl.workers.losses_config import ValueLossConfig
     from tests.torchrun.actor_critic import global_batch
 
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)
-    layout = platform.ParallelLayout()
-    ctx = platform.initialize(layout, arch=arch)
-    assert ctx.backend == "nccl" and platform.device().type == "cuda"
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    ctx = distributed.initialize(layout, arch=arch)
+    assert ctx.backend == "nccl" and distributed.device().type == "cuda"
     batch = global_batch(arch.vocab_size)
     assert batch.input_ids.device.type == "cpu"
     actor, critic = Actor(arch, layout, tiny_model_dir), Critic(arch, layout, tiny_model_dir)

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     try:
         model_dir = a.model
         if model_dir is None:
-            from megatron_rl.models.tiny import make_tiny_model, spec_for_preset
+            from examples.tiny_model import make_tiny_model, spec_for_preset
 
             model_dir = make_tiny_model(work / "model", spec_for_preset(a.preset))
         on_gpu = torch.cuda.is_available()

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch, split_micro_batches
 from megatron_rl.models.presets import PRESETS, preset_arch
+from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
@@ -75,8 +75,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     arch = preset_arch(a.preset)
-    layout = platform.ParallelLayout()
-    ctx = platform.initialize(layout, arch=arch)
+    layout = distributed.ParallelLayout()
+    ctx = distributed.initialize(layout, arch=arch)
     actor = Actor(arch, layout, optim=OptimConfig())
     responses = long_tailed_lengths(a.rows, a.median, a.sigma, a.max_length)
     batch = long_cot_batch(arch.vocab_size, a.prompt_length, responses)
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     result["speedup_token_budget_over_padded"] = round(median["padded"] / median["token_budget"], 3)
     if ctx.rank == 0:
         record("long_cot", result, a.out)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
+    from examples.tiny_model import make_tiny_model
     from megatron_rl.data import PromptDataConfig, PromptStream, load_prompts
-    from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.rewards import PythonRewardConfig, ScoringPoolConfig, make_scoring_pool
     from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
     from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine

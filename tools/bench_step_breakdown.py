@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     try:
         model = Path(a.model)
         if not (model / "config.json").exists():
-            from megatron_rl.models.tiny import make_tiny_model
+            from examples.tiny_model import make_tiny_model
 
             model = make_tiny_model(work / "tiny-qwen2")
         out = work / "run"

@@ -20,11 +20,11 @@ import argparse
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
+from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
@@ -114,12 +114,12 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     arch = preset_arch(a.preset)
-    layout = platform.ParallelLayout(
+    layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp,
         pipeline_model_parallel_size=a.pp,
         sequence_parallel=a.sequence_parallel,
     )
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     precision = PrecisionConfig(params_dtype=dtype, fp8=a.fp8)
     actor = Actor(arch, layout, precision=precision, optim=OptimConfig())
@@ -154,7 +154,7 @@ def main(argv=None) -> None:
         result.update(memory_vs_plan(arch, a, ctx))
     if ctx.rank == 0:
         record("train_step", result, a.out)
-    platform.destroy()
+    distributed.destroy()
 
 
 def memory_vs_plan(arch: ModelArchitecture, a, ctx) -> dict:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
+from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
 from megatron_rl.sync.weight_sync import (
     WeightSyncConfig,
@@ -47,15 +47,15 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
 
     arch = preset_arch(a.preset)
-    layout = platform.ParallelLayout(
+    layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     # Rank 0 writes the checkpoint; the broadcast of its path is also the barrier.
     work = Path(tempfile.mkdtemp(prefix="bench_weight_sync-")) if ctx.rank == 0 else None
     try:
         if work is not None:
-            from megatron_rl.models.tiny import make_tiny_model, spec_for_preset
+            from examples.tiny_model import make_tiny_model, spec_for_preset
 
             make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
         hf_dir = _rank0_path(work / "model" if work else None, ctx)
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
             "export_share_of_sync": round(seconds["export"] / seconds["sync"], 4),
         }
         record("weight_sync", result, a.out)
-    platform.destroy()
+    distributed.destroy()
 
 
 def _rank0_path(path: Path | None, ctx) -> Path:

@@ -5,7 +5,7 @@
         [--ablations] [--seeds 0,1,2]
         [--ablation-seeds SEEDS] [--dir runs/compare-TASK] [--out docs/compare_algorithms_TASK]
 
-Every variant starts from the demo's warm start for the task (`megatron_rl.cli.demo.TASKS`)
+Every variant starts from the demo's warm start for the task (`examples.demo.tasks.TASKS`)
 and gets the demo's budget (BUDGET: 20 steps of 16 prompts x 8 samples, actor lr 1e-4, one
 PPO epoch in mini-batches of 64, TP=2, math reward +1/-1, held-out accuracy every 5 steps)
 on the task's data, response budget and eval sets (task_overrides: `eval/accuracy` is avg@4
@@ -25,7 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_rl.cli.demo import TASKS, ensure_tiny_model, read_curves, run_rl, warm_start
+from examples.demo.demo import ensure_tiny_model, read_curves, run_rl, warm_start
+from examples.demo.tasks import TASKS
 from megatron_rl.config import load_config, to_dict
 
 TARGET = {"count_on": 0.6, "chains": 0.5, "sums": 0.6}

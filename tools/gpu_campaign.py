@@ -55,7 +55,7 @@ MEGATRON, TE, VLLM = ("megatron.core",), ("transformer_engine",), ("vllm",)
 TWO_RANKS_ONE_GPU = (
     "two ranks on one GPU do not work here: NCCL refuses them at set-up ('Duplicate GPU "
     "detected'); gloo takes CUDA tensors only for broadcast/all_reduce, not the all_gather, "
-    "reduce_scatter and send/recv of SP and PP; megatron_rl.platform puts rank i on cuda:i "
+    "reduce_scatter and send/recv of SP and PP; megatron_rl.parallel.distributed puts rank i on cuda:i "
     "(LOCAL_RANK). The nccl_two_ranks_one_gpu part tries the one route left (NCCL_HOSTID "
     "per rank, two one-process torchrun nodes)"
 )
@@ -268,7 +268,7 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
         else:
             print(f"gpu_campaign: {part.name} (limit {part.timeout_s} s) ...", flush=True)
             if part.tiny_model and not (work / "tiny").exists():
-                from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
+                from examples.tiny_model import TinyModelSpec, make_tiny_model
 
                 make_tiny_model(work / "tiny", TinyModelSpec())
             record = run_part(part, work, out_dir / f"{part.name}.log")

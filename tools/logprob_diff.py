@@ -43,19 +43,19 @@ def parse_args(argv):
 
 @record
 def worker(a) -> None:
-    from megatron_rl import platform
     from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.models.architecture import ModelArchitecture
+    from megatron_rl.models.hf_config import read_hf_config
     from megatron_rl.numerics import Tolerance, compare
+    from megatron_rl.parallel import distributed
     from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
     from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
 
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
-    layout = platform.ParallelLayout(
+    arch = read_hf_config(a.hf_dir)
+    layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     # forward-only: no optimizer state needed
     policy = ReferencePolicy(arch, layout, a.hf_dir, temperature=a.temperature)
     engine = VLLMEngine(
@@ -108,7 +108,7 @@ def worker(a) -> None:
             "ok": within.ok,
         }
         print(json.dumps(result), flush=True)
-    platform.destroy()
+    distributed.destroy()
 
 
 def main(argv=None) -> None:

@@ -138,21 +138,21 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance", type=float, default=0.02)
     a = p.parse_args(argv)
 
-    from megatron_rl import platform
     from megatron_rl.models.presets import preset_arch
+    from megatron_rl.parallel import distributed
 
     os.environ.setdefault("MASTER_PORT", "29517")
-    layout = platform.ParallelLayout(
+    layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, sequence_parallel=a.sequence_parallel
     )
-    ctx = platform.initialize(layout, arch=preset_arch("tiny"))
+    ctx = distributed.initialize(layout, arch=preset_arch("tiny"))
     ok = True
     for recompute in (None, "selective", "full"):
         row = check(recompute, a, ctx)
         ok &= all(abs(v - 1) <= a.tolerance for k, v in row.items() if k.endswith("_ratio"))
         if ctx.rank == 0:
             print(json.dumps(row), flush=True)
-    platform.destroy()
+    distributed.destroy()
     return 0 if ok else 1
 
 

@@ -4,5 +4,5 @@
 # the venv active (make demo creates it). On GPUs the same command runs with NCCL.
 set -euo pipefail
 MODEL=${MODEL:-runs/tiny-qwen2}
-[ -f "$MODEL/config.json" ] || python -m megatron_rl.models.tiny --out "$MODEL"
-torchrun --nproc-per-node 2 -m megatron_rl.cli.demo_tp_step --hf-dir "$MODEL" --tp 2
+[ -f "$MODEL/config.json" ] || python -m examples.tiny_model --out "$MODEL"
+torchrun --nproc-per-node 2 -m examples.demo.tp_step --hf-dir "$MODEL" --tp 2

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         p.error(f"overrides {a.overrides} need --config")
     needs = None
     if a.config:
+        # why: the doctor runs where torch or megatron fail to import; the config loads both
         from megatron_rl.config import ConfigError, load_config
 
         try:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 from megatron_rl.cli.train import parse_args
+from megatron_rl.trainer.checkpoint import CheckpointManager
 
 
 def main(argv=None) -> None:
     config = parse_args(argv, __doc__)
-    from megatron_rl.trainer.checkpoint import CheckpointManager
 
     latest = CheckpointManager(config.trainer.output_dir, rank=0, world_size=1).latest()
     if latest is None:

@@ -26,7 +26,7 @@ from megatron_rl.config.sections import (
     TrainerConfig,
 )
 from megatron_rl.data.prompts import PromptDataConfig
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 @dataclass(frozen=True)

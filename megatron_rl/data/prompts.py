@@ -108,6 +108,7 @@ def _json_rows(path: Path) -> list[Any] | None:
 def _has_rows(path: Path) -> bool:
     # `datasets` reports an empty file as a missing split; say what it is instead.
     if path.suffix == ".parquet":
+        # why: only parquet prompt files need it
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows > 0
@@ -117,6 +118,7 @@ def _has_rows(path: Path) -> bool:
 
 def load_table(config: PromptDataConfig):
     """The raw `datasets.Dataset` behind a config, with errors that name the file."""
+    # why: `datasets` takes seconds to import: only loading a prompt table needs it
     import datasets
 
     path = Path(config.path)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 VOCAB_PAD_MULTIPLE = 1024
@@ -95,14 +94,6 @@ class ModelArchitecture:
                 f"num_hidden_layers={self.num_layers} is not divisible by "
                 f"pipeline_model_parallel_size * virtual_pipeline_model_parallel_size = {layer_chunks}"
             )
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any] | str | Path) -> ModelArchitecture:
-        """Read a Hugging Face `config.json` (a dict, the file, or its directory); anything
-        not reproduced exactly is refused (`megatron_rl.models.hf_config`)."""
-        from megatron_rl.models.hf_config import read_hf_config
-
-        return read_hf_config(config)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,7 @@ import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, build_gpt_model_chunks
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 class ValueHead(torch.nn.Module):
@@ -32,6 +32,7 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         """GPTModel's output-layer contract: returns (output, bias)."""
         if self.sequence_parallel:
+            # why: megatron-core takes seconds to import: loaded on first use
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             # Each rank needs the whole sequence; the gradient is the full one on every

@@ -16,7 +16,9 @@ multiprocessing Manager).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -88,9 +90,8 @@ def _start_writer_queue() -> None:
     Manager process it starts at the first save. SLURM's `scancel` signals every process of
     the job: a Manager killed by that SIGTERM would break the very save the signal asks for
     (found by tests/trainer/test_train_distributed.py's SIGTERM test). Start it ourselves."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
 
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -102,6 +103,7 @@ def _start_writer_queue() -> None:
 
 def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
     """Write this rank's shards of the model (and optimizer) under `ckpt_dir/model`."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
     _start_writer_queue()
@@ -115,6 +117,7 @@ def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
 def load_role(chunks: list, optimizer, ckpt_dir: Path, skip: tuple[str, ...] = ()) -> None:
     """Load the model (and, given an optimizer, its state) at this run's layout. Parameters
     named in `skip` keep their values (a critic started from a policy: its value head)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
     sharded = _sharded_state(chunks, optimizer, True)

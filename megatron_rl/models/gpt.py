@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.rope import yarn_inv_freq
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 class RMSNorm(torch.nn.Module):
@@ -56,6 +56,7 @@ def transformer_engine_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
+        # why: optional: probed, not required
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
@@ -177,6 +178,7 @@ def transformer_config(
     recompute: RecomputeConfig | None = None,
 ):
     """The megatron-core TransformerConfig for `arch` under `layout`."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.transformer import TransformerConfig
 
     precision = precision or PrecisionConfig()
@@ -242,6 +244,7 @@ def transformer_config(
 def layer_spec(use_transformer_engine: bool | None = None, qk_layernorm: bool = False):
     """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm
     (also as the per-head query/key norm when `qk_layernorm`, Qwen3)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine is None:
@@ -292,6 +295,7 @@ def _scale_rope(model, arch: ModelArchitecture) -> None:
 
 def _block_spec(config, layer, vp_stage: int | None, use_transformer_engine: bool):
     """The decoder block for this stage, with the final norm matching the layer spec."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
@@ -314,9 +318,10 @@ def build_gpt_model_chunks(
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
 
-    Requires `megatron_rl.platform.initialize` to have run. Weights are randomly initialised
+    Requires `megatron_rl.distributed.initialize` to have run. Weights are randomly initialised
     (deterministically from the seed); load real ones with `megatron_rl.models.hf_mapping`.
     """
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -357,6 +362,7 @@ def build_gpt_model_chunks(
 
 def layer_offset(model_chunk) -> int:
     """Global index of the chunk's first decoder layer (PP and virtual PP aware)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(model_chunk.config, vp_stage=model_chunk.vp_stage)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import copy_side_files
 from megatron_rl.models.hf_config import HF_CLASS_PREFIX
+from megatron_rl.models.hf_mapping import export_hf_tensors
 
 INDEX = "model.safetensors.index.json"
 
@@ -37,8 +41,6 @@ class ShardWriter:
             self.flush()
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.pending:
             return
         self.files += 1
@@ -74,10 +76,8 @@ def save_hf_pretrained(
 ) -> None:
     """Write this role as a Hugging Face model into `out_dir` (existing, seen by every rank).
     `meta_dir`: where the source's config and tokenizer are."""
-    import torch
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
-
-    from megatron_rl.models.hf_mapping import export_hf_tensors
 
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     writes = (

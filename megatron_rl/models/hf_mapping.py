@@ -25,8 +25,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.critic import ValueHead
+from megatron_rl.models.gpt import layer_offset
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -259,8 +262,6 @@ class HFCheckpointReader:
         self._weight_map = weight_map
 
     def _open(self, file: str):
-        from safetensors import safe_open
-
         path = self.hf_dir / file
         try:
             return safe_open(path, framework="pt")
@@ -339,9 +340,8 @@ def load_hf_into_megatron(
     parameter not named in `skip` must be mapped and shape-matched; a mismatch names the
     parameter and both shapes. Tensors are read one at a time (one layer's worth at most).
     """
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
-
-    from megatron_rl.models.gpt import layer_offset
 
     reader = source if callable(source) else HFCheckpointReader(source)
     check_every_tensor_is_mapped(reader, arch)
@@ -375,10 +375,8 @@ def export_hf_tensors(
     critic's value head is yielded as `score.weight`, as in HF sequence classification.
     Every TP rank of the stage yields the same tensors.
     """
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
-
-    from megatron_rl.models.critic import ValueHead
-    from megatron_rl.models.gpt import layer_offset
 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 
 _QWEN2 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
 
 PRESETS: dict[str, dict] = {
-    # megatron_rl.models.tiny's default shape.
+    # examples.tiny_model's default shape.
     "tiny": dict(_QWEN2, num_hidden_layers=4, hidden_size=128, intermediate_size=352,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
                  tie_word_embeddings=False),
@@ -49,7 +50,7 @@ PRESETS: dict[str, dict] = {
 def preset_arch(name: str) -> ModelArchitecture:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
-    return ModelArchitecture.from_hf_config(PRESETS[name])
+    return read_hf_config(PRESETS[name])
 
 
 def resolve_arch(model: str) -> ModelArchitecture:
@@ -61,7 +62,7 @@ def resolve_arch(model: str) -> ModelArchitecture:
             f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
             "path to a Hugging Face config.json or checkpoint directory"
         )
-    return ModelArchitecture.from_hf_config(model)
+    return read_hf_config(model)
 
 
 def layer_param_count(arch: ModelArchitecture, tp: int = 1) -> int:

@@ -53,7 +53,8 @@ def yarn_inv_freq(
     `factor` (interpolation), with a linear ramp between; `truncate` rounds the ramp's ends
     outward to whole dimensions.
     """
-    import torch  # here, so that reading a config needs no torch
+    # why: here, so that reading a config needs no torch
+    import torch
 
     def dim_turning(rotations: float) -> float:
         # The dimension whose wavelength fits `rotations` times in the original context.

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.critic import load_value_head
 from megatron_rl.models.dist_checkpoint import HF_META_SUBDIR, METADATA, load_role, read_metadata
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
 
 VALUE_HEAD = "output_layer.weight"
 """A critic chunk's value head; a policy's vocabulary projection under the same name."""
@@ -42,13 +45,11 @@ class ModelSource:
     def architecture(self) -> ModelArchitecture:
         if self.is_megatron:
             return read_metadata(self.path)[1]
-        return ModelArchitecture.from_hf_config(self.path)
+        return read_hf_config(self.path)
 
     def load_policy(self, chunks: list, arch: ModelArchitecture) -> None:
         """Policy weights (actor, reference) into this rank's GPT chunks."""
         if not self.is_megatron:
-            from megatron_rl.models.hf_mapping import load_hf_into_megatron
-
             return load_hf_into_megatron(chunks, self.path, arch)
         if self.saved_role == "critic":
             raise ValueError(
@@ -64,8 +65,6 @@ class ModelSource:
         if self.is_megatron:
             skip = () if self.saved_role == "critic" else (VALUE_HEAD,)
             return load_role(chunks, None, self.path, skip=skip)
-        from megatron_rl.models.critic import load_value_head
-        from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
 
         reader = HFCheckpointReader(self.path)
         load_hf_into_megatron(chunks, reader, arch, skip={VALUE_HEAD})

@@ -6,7 +6,7 @@ data-parallel group (identity with one DP rank); metrics are reduced over every 
 request on any rank stops all of them. No other module all-reduces for these.
 
 Devices: under NCCL (every group on GPU) a collective takes only CUDA tensors, so the
-metadata made here (counts, flags, sizes) is made on `platform.device()`, and data tensors
+metadata made here (counts, flags, sizes) is made on `distributed.device()`, and data tensors
 are reduced on the device they arrive on (the role's). Object collectives (`reduce_over_ranks`,
 `*_over_model_parallel`) pickle through the current CUDA device by themselves.
 """
@@ -14,14 +14,16 @@ are reduced on the device they arrive on (the role's). Object collectives (`redu
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from megatron_rl import platform
 from megatron_rl.algorithms.losses import explained_variance_of, token_and_sequence_counts
 from megatron_rl.algorithms.masked import Moments
 from megatron_rl.data.batch import TrainingBatch, balanced_assignment
+from megatron_rl.parallel import distributed
 
 
 def _data_parallel_group():
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     if parallel_state.get_data_parallel_world_size() == 1:
@@ -47,7 +49,7 @@ def data_parallel_max(t: torch.Tensor) -> torch.Tensor:
 
 def data_parallel_min(value: int) -> int:
     """The smallest `value` over the data-parallel ranks."""
-    t = torch.tensor([value], dtype=torch.long, device=platform.device())
+    t = torch.tensor([value], dtype=torch.long, device=distributed.device())
     group = _data_parallel_group()
     if group is not None:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
@@ -135,7 +137,6 @@ def data_parallel_explained_variance(
 def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     """Mean of each key over the ranks that report it (`*_max`: the max, `*_min`: the min;
     PP stages report different keys, TP ranks the same values). Every rank gets the result."""
-    import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(metrics)
@@ -155,14 +156,14 @@ def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on any rank of the world."""
-    t = torch.tensor([1.0 if flag else 0.0], device=platform.device())
+    t = torch.tensor([1.0 if flag else 0.0], device=distributed.device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 
 
 def _model_parallel_group():
     """This rank's tensor x pipeline group, or None when it has one rank (or no world)."""
-    import torch.distributed as dist
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():

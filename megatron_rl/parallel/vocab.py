@@ -20,6 +20,7 @@ import torch
 
 
 def _tp():
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     return (
@@ -55,6 +56,7 @@ def vocab_parallel_logprobs(
     logits: [..., V/tp] (any leading dims, e.g. [B, S]); labels: [...] token ids < vocab_size.
     Returns [...] in fp32 (computed in fp32 whatever the logits' dtype).
     """
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import tensor_parallel
 
     masked = mask_vocab_padding(_scaled(logits, temperature), vocab_size).contiguous()
@@ -70,6 +72,7 @@ def vocab_parallel_entropy(
     H = log S + m - T / S, with m the global max (a constant shift), S = sum exp(l - m) and
     T = sum exp(l - m) * l over all ranks.
     """
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     _, tp_size, group = _tp()

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megatron_rl.rewards.base import RewardFunction
+from megatron_rl.rewards.functions import MathReward, PythonReward
+from megatron_rl.rewards.math_reward import MathVerifierConfig
+from megatron_rl.rewards.megatron_rm import MegatronRewardModel
+from megatron_rl.rewards.remote import RemoteReward
+from megatron_rl.rewards.reward_model import HFRewardModel
 
 
 @dataclass(frozen=True)
@@ -66,8 +71,6 @@ class MathRewardConfig(RewardFnConfig):
         self.verifier()  # refuses an unknown backend by name, at config time
 
     def verifier(self):
-        from megatron_rl.rewards.math_reward import MathVerifierConfig
-
         return MathVerifierConfig(
             self.correct_reward,
             self.incorrect_reward,
@@ -77,8 +80,6 @@ class MathRewardConfig(RewardFnConfig):
         )
 
     def build(self) -> RewardFunction:
-        from megatron_rl.rewards.functions import MathReward
-
         return MathReward(self.display_name, self.verifier(), self.timeout_s)
 
 
@@ -92,8 +93,6 @@ class PythonRewardConfig(RewardFnConfig):
     killable: ClassVar[bool] = True
 
     def build(self) -> RewardFunction:
-        from megatron_rl.rewards.functions import PythonReward
-
         if not self.path:
             raise ValueError("reward_fns: type 'python' needs path: 'package.module:function'")
         return PythonReward(self.display_name, self.path, self.batched, self.kwargs, self.timeout_s)
@@ -121,9 +120,6 @@ class RewardModelConfig(RewardFnConfig):
         return self.backend == "megatron"
 
     def build(self) -> RewardFunction:
-        from megatron_rl.rewards.megatron_rm import MegatronRewardModel
-        from megatron_rl.rewards.reward_model import HFRewardModel
-
         if not self.model_dir:
             raise ValueError("reward_fns: type 'reward_model' needs model_dir")
         cls = MegatronRewardModel if self.backend == "megatron" else HFRewardModel
@@ -148,8 +144,6 @@ class RemoteRewardConfig(RewardFnConfig):
     type: ClassVar[str] = "remote"
 
     def build(self) -> RewardFunction:
-        from megatron_rl.rewards.remote import RemoteReward
-
         if not self.url:
             raise ValueError("reward_fns: type 'remote' needs url")
         return RemoteReward(

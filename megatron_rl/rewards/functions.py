@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from megatron_rl.rewards.base import RewardFunction, RewardInput
 from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
+from megatron_rl.rewards.math_symbolic import warm_up
 
 
 class MathReward(RewardFunction):
@@ -14,8 +15,6 @@ class MathReward(RewardFunction):
         super().__init__(name, timeout_s)
         self.config = config
         if config.backend == "math_verify":
-            from megatron_rl.rewards.math_symbolic import warm_up
-
             warm_up()
 
     def score_one(self, sample: RewardInput) -> float:

@@ -1,7 +1,7 @@
 """The `math` reward's default backend: answers judged equal by symbolic equivalence, with
 Hugging Face's math-verify (github.com/huggingface/Math-Verify; used by open-r1, TRL, verl).
 
-The final answer is extracted by the same rules as the fast backend (`math_reward.py`: last
+The final answer is extracted by the same rules as the fast backend (`math_answers.py`: last
 `\\boxed{}`, "answer is", "####", optionally the last number); prediction and label are
 then parsed as LaTeX (or plain expressions) into sympy and compared: numbers, fractions,
 radicals, pi, powers, percent, units, degrees, intervals, tuples, sets, matrices,
@@ -20,7 +20,7 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from megatron_rl.rewards.math_reward import answers_match
+from megatron_rl.rewards.math_answers import answers_match
 
 # math-verify warns on every call that its own timeouts are off: that is on purpose here.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -30,6 +30,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 def _parsed(text: str) -> tuple:
     """math-verify's parse of `text` as inline LaTeX (with plain-expression fallback); () when
     nothing parses. Cached: labels repeat over a group's samples."""
+    # why: math-verify loads sympy (seconds): only the symbolic backend needs it
     from math_verify import parse
 
     return tuple(parse(f"${text}$", parsing_timeout=None))
@@ -40,6 +41,7 @@ def symbolic_match(prediction: str, label: Any, rel_tol: float = 1e-6) -> bool:
     symbolically (math-verify, rounding floats to 6 decimals as it does)."""
     if answers_match(prediction, label, rel_tol):
         return True
+    # why: math-verify loads sympy (seconds): only the symbolic backend needs it
     from math_verify import verify
 
     gold, pred = _parsed(str(label)), _parsed(prediction)

@@ -13,19 +13,25 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models.critic import build_critic_chunks, load_value_head
+from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.rewards.reward_model import HFRewardModel
+from megatron_rl.workers.roles import MegatronRole
 
 
 def current_layout():
     """The TP/PP layout megatron-core was initialised with (the RM shares the trainer's)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
-
-    from megatron_rl.platform import ParallelLayout
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "reward model backend 'megatron' scores inside the torchrun world: call "
-            "megatron_rl.platform.initialize first (or use backend: hf)"
+            "megatron_rl.distributed.initialize first (or use backend: hf)"
         )
     return ParallelLayout(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -37,13 +43,7 @@ class MegatronRewardModel(HFRewardModel):
     """Same rendering and interface as `HFRewardModel`; the forward pass is Megatron's."""
 
     def _load_model(self, model_dir: str | Path, dtype: str) -> None:
-        from megatron_rl.models.architecture import ModelArchitecture
-        from megatron_rl.models.critic import build_critic_chunks, load_value_head
-        from megatron_rl.models.gpt import PrecisionConfig
-        from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
-        from megatron_rl.workers.roles import MegatronRole
-
-        arch = ModelArchitecture.from_hf_config(model_dir)
+        arch = read_hf_config(model_dir)
         layout = current_layout()
         precision = PrecisionConfig(params_dtype=getattr(torch, dtype))
         chunks = build_critic_chunks(arch, layout, precision)
@@ -54,8 +54,6 @@ class MegatronRewardModel(HFRewardModel):
 
     @torch.no_grad()
     def score_token_ids(self, ids: list[list[int]]) -> list[float]:
-        from megatron_rl.data.batch import TrainingBatch
-
         width = max(len(x) for x in ids)
         pad = self.tokenizer.pad_token_id or 0
         tokens = torch.full((len(ids), width), pad, dtype=torch.long, device="cpu")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_rl.parallel.collectives import broadcast_over_model_parallel, is_model_parallel_source
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.config import RewardFnConfig
 from megatron_rl.rewards.scorer import RewardScorer, ScoredBatch
@@ -78,6 +79,7 @@ class InlineScoringPool:
 
 class RayScoringPool:
     def __init__(self, reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig):
+        # why: ray takes seconds to import: only a reward pool starts it
         import ray
 
         for fn in reward_fns:
@@ -115,6 +117,7 @@ class RayScoringPool:
 
     def submit(self, batch: list[RewardInput]) -> tuple[list[RewardInput], list | None]:
         """(the batch, its Ray futures; None once the workers are gone)."""
+        # why: ray takes seconds to import: only a reward pool starts it
         from ray.exceptions import RayError
 
         if self.fallback is not None:
@@ -132,6 +135,7 @@ class RayScoringPool:
             return batch, None
 
     def result(self, handle: tuple[list[RewardInput], list | None]) -> TimedScores:
+        # why: ray takes seconds to import: only a reward pool starts it
         import ray
         from ray.exceptions import RayError, RayTaskError
 
@@ -156,6 +160,7 @@ class RayScoringPool:
         self.fallback = InlineScoringPool(self.reward_fns)
 
     def close(self) -> None:
+        # why: ray takes seconds to import: only a reward pool starts it
         import ray
 
         for w in getattr(self, "workers", []):
@@ -207,8 +212,6 @@ class ModelParallelScoringPool:
     """
 
     def __init__(self, reward_fns: Sequence[RewardFnConfig], config: ScoringPoolConfig | None):
-        from megatron_rl.parallel.collectives import is_model_parallel_source
-
         self.is_source = is_model_parallel_source()
         if self.is_source:
             self.inner = make_scoring_pool(reward_fns, config)
@@ -222,8 +225,6 @@ class ModelParallelScoringPool:
         return self.inner.submit(batch)
 
     def result(self, handle) -> TimedScores:
-        from megatron_rl.parallel.collectives import broadcast_over_model_parallel
-
         scores = self.inner.result(handle) if self.is_source else None
         return broadcast_over_model_parallel(scores)
 

@@ -28,6 +28,7 @@ class HFRewardModel(RewardFunction):
         dtype: str = "float32",
         timeout_s: float | None = None,
     ):
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import AutoTokenizer
 
         super().__init__(name, timeout_s)
@@ -38,6 +39,7 @@ class HFRewardModel(RewardFunction):
         self._load_model(self.model_dir, dtype)
 
     def _load_model(self, model_dir: str, dtype: str) -> None:
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import AutoModelForSequenceClassification
 
         self.model = AutoModelForSequenceClassification.from_pretrained(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.config import RewardFnConfig
+from megatron_rl.rewards.isolated import IsolatedRewardFunction
 
 
 class RewardFailureError(RuntimeError):
@@ -35,7 +36,6 @@ class RewardScorer:
         names = [c.display_name for c in configs]
         if len(set(names)) != len(names):
             raise ValueError(f"reward_fns: names must be unique, got {names} (set name:)")
-        from megatron_rl.rewards.isolated import IsolatedRewardFunction
 
         self.configs = list(configs)
         self.functions = []

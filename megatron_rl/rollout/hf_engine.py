@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl import platform
+from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import (
     ENGINE_MEMORY,
     EngineAsleep,
@@ -102,6 +102,7 @@ class HFEngine:
         config: EngineConfig | None = None,
         device: torch.device | None = None,
     ):
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = cfg = config or EngineConfig()
@@ -119,7 +120,7 @@ class HFEngine:
                 f"hf engine: EngineConfig.extra takes only load_format in {LOAD_FORMATS}, got "
                 f"{cfg.extra}"
             )
-        self.device = device or platform.device()
+        self.device = device or distributed.device()
         torch_dtype = DTYPES[cfg.dtype]
         if load_format == "dummy":
             hf_config = AutoConfig.from_pretrained(model_dir)
@@ -277,6 +278,7 @@ class HFEngine:
         """The decode loop over rows (one per sample): left-padded prefill [B, P], then one
         token per row per step [B, 1] through the KV cache, until every row stopped.
         Returns per row its tokens, their processed log-probs and its finish reason."""
+        # why: transformers takes seconds to import: only this path needs it
         from transformers import DynamicCache
 
         b, longest = len(prompts), max(map(len, prompts))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megatron_rl.parallel.collectives import gather_over_model_parallel
 from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig
 
 
@@ -99,6 +100,7 @@ class ReplicaEngine:
     def around(cls, engine, layout: RolloutLayout, rank: int) -> ReplicaEngine:
         """Wrap this rank's engine; checks that Megatron placed the rank where `layout`
         says (its rank order is what the alignment rests on)."""
+        # why: megatron-core takes seconds to import: loaded on first use
         from megatron.core import parallel_state
 
         tp, dp, pp = layout.coordinates(rank)
@@ -133,7 +135,6 @@ class ReplicaEngine:
     ) -> list[Sample]:
         if self.num_engines == 1:
             return self.engine.generate(prompts, sampling, seeds)
-        from megatron_rl.parallel.collectives import gather_over_model_parallel
 
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")

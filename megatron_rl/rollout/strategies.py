@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_rl.rewards.functions import load_callable
+
 
 @dataclass
 class RatedSample:
@@ -99,8 +101,6 @@ STRATEGIES: dict[str, type[SamplingStrategy]] = {
 
 
 def make_strategy(name: str, options: dict | None = None) -> SamplingStrategy:
-    from megatron_rl.rewards.functions import load_callable
-
     cls = STRATEGIES.get(name) or (
         load_callable(name, "sampling strategy") if ":" in name else None
     )

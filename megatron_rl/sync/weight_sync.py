@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_mapping import expected_hf_shapes, export_hf_tensors
+from megatron_rl.parallel import distributed
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ def all_stage_tensors(
     chunks: list, arch: ModelArchitecture, bucket_bytes: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the model on every rank (PP stages broadcast in buckets)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -97,7 +98,7 @@ def all_stage_tensors(
                 meta, numel = header
                 if meta is None:
                     break
-                flat = torch.empty(numel, dtype=torch.uint8, device=platform.device())
+                flat = torch.empty(numel, dtype=torch.uint8, device=distributed.device())
                 torch.distributed.broadcast(flat, src=ranks[stage], group=group)
                 yield from _unpack(meta, flat)
 

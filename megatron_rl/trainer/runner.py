@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_rl import platform
 from megatron_rl.config import (
     ConfigError,
     TrainConfig,
@@ -31,6 +30,7 @@ from megatron_rl.config import (
 )
 from megatron_rl.data.batch import TrainingBatch, mini_batches, rated_to_batch
 from megatron_rl.models.source import ModelSource
+from megatron_rl.parallel import distributed as platform
 from megatron_rl.parallel.collectives import (
     any_rank,
     balance_over_data_parallel,

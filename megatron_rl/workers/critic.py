@@ -13,7 +13,7 @@ from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
 from megatron_rl.models.source import ModelSource
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.losses_config import ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import TrainableRole

@@ -22,8 +22,8 @@ from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.source import ModelSource
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
-from megatron_rl.platform import ParallelLayout
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import MegatronRole, TrainableRole

@@ -14,7 +14,7 @@ from megatron_rl.data.batch import TrainingBatch, split_micro_batches
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
 from megatron_rl.parallel.collectives import data_parallel_sum, global_token_counts
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.offload import ParamOffload
 from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.parallel import distributed as platform
 
 
 def run_schedule(

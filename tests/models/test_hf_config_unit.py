@@ -10,7 +10,6 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
 from megatron_rl.models.rope import yarn_inv_freq
@@ -211,7 +210,7 @@ def test_a_window_covering_the_context_is_full_attention():
 def test_refusals_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(changed(QWEN3_8B, attention_dropout=0.5)))
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}: attention_dropout=0.5"):
-        ModelArchitecture.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
 
 
 def checkpoint_with(src, dst, config_changes=None, **extra_tensors):
@@ -228,7 +227,7 @@ def checkpoint_with(src, dst, config_changes=None, **extra_tensors):
 def test_a_tensor_nothing_maps_is_refused_by_name(tiny_model_dir, tmp_path):
     bias = {"model.layers.1.self_attn.o_proj.bias": torch.zeros(128)}
     hf = checkpoint_with(tiny_model_dir, tmp_path / "hf", **bias)
-    arch = ModelArchitecture.from_hf_config(hf)
+    arch = read_hf_config(hf)
     with pytest.raises(ValueError, match=r"1 tensor\(s\) .* model.layers.1.self_attn.o_proj.bias"):
         validate_hf_checkpoint(HFCheckpointReader(hf), arch)
 
@@ -236,7 +235,7 @@ def test_a_tensor_nothing_maps_is_refused_by_name(tiny_model_dir, tmp_path):
 def test_rotary_buffers_of_old_checkpoints_are_not_weights(tiny_model_dir, tmp_path):
     buffer = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}
     hf = checkpoint_with(tiny_model_dir, tmp_path / "hf", **buffer)
-    validate_hf_checkpoint(HFCheckpointReader(hf), ModelArchitecture.from_hf_config(hf))
+    validate_hf_checkpoint(HFCheckpointReader(hf), read_hf_config(hf))
 
 
 @pytest.mark.parametrize("same", [True, False])
@@ -244,7 +243,7 @@ def test_a_tied_checkpoint_may_carry_its_lm_head_only_if_equal(tiny_tied_model_d
     embed = HFCheckpointReader(tiny_tied_model_dir)("model.embed_tokens.weight")
     head = embed.clone() if same else embed + 1
     hf = checkpoint_with(tiny_tied_model_dir, tmp_path / "hf", **{"lm_head.weight": head})
-    arch = ModelArchitecture.from_hf_config(hf)
+    arch = read_hf_config(hf)
     if same:
         validate_hf_checkpoint(HFCheckpointReader(hf), arch)
     else:

@@ -7,6 +7,7 @@ import torch
 
 from megatron_rl.models import hf_mapping
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 
 
 def arch(**overrides):
@@ -29,7 +30,7 @@ def arch(**overrides):
 
 
 def test_from_hf_config_reads_qwen2(tiny_model_dir):
-    a = ModelArchitecture.from_hf_config(tiny_model_dir)
+    a = read_hf_config(tiny_model_dir)
     assert (a.num_layers, a.hidden_size, a.num_attention_heads, a.num_query_groups) == (
         4,
         128,
@@ -43,7 +44,7 @@ def test_from_hf_config_reads_qwen2(tiny_model_dir):
 def test_from_hf_config_rejects_unknown_family(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"config.json: model_type='gpt2' is not supported"):
-        ModelArchitecture.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
 
 
 def test_from_hf_config_names_missing_field(tmp_path):
@@ -51,7 +52,7 @@ def test_from_hf_config_names_missing_field(tmp_path):
         json.dumps({"model_type": "llama", "num_attention_heads": 4})
     )
     with pytest.raises(ValueError, match="missing field 'hidden_size'"):
-        ModelArchitecture.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
 
 
 def test_padded_vocab_is_the_same_for_every_tp_up_to_8():
@@ -133,7 +134,7 @@ def test_reader_names_missing_tensor(tiny_model_dir):
 
 def test_megatron_shards_round_trip_to_hf_tensors(tiny_model_dir):
     """HF -> Megatron TP shards -> HF is exact for every parameter at TP=1 and TP=2."""
-    a = ModelArchitecture.from_hf_config(tiny_model_dir)
+    a = read_hf_config(tiny_model_dir)
     reader = hf_mapping.HFCheckpointReader(tiny_model_dir)
     names = [
         "embedding.word_embeddings.weight",

@@ -11,13 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.rewards.math_reward import (
-    MathVerifierConfig,
-    extract_answer,
-    math_reward,
-    parse_number,
-    verify,
-)
+from megatron_rl.rewards.math_answers import extract_answer, parse_number
+from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward, verify
 
 # (response, label, expected status)
 CASES = [

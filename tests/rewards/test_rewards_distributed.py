@@ -29,7 +29,7 @@ def test_megatron_reward_model_matches_hf(llama_rm_dir, tmp_path):
 
 def test_megatron_backend_needs_the_torchrun_world_and_no_ray(llama_rm_dir):
     cfg = RewardModelConfig(model_dir=str(llama_rm_dir), backend="megatron")
-    with pytest.raises(RuntimeError, match="call megatron_rl.platform.initialize first"):
+    with pytest.raises(RuntimeError, match="call megatron_rl.distributed.initialize first"):
         cfg.build()
     with pytest.raises(ValueError, match="backend 'megatron' runs inside the torchrun world"):
         make_scoring_pool([cfg], ScoringPoolConfig(num_workers=1))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_rl.models.tiny import TinyModelSpec, make_tiny_model
+from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.rollout.hf_engine import HFEngine, processed_logprobs
 from megatron_rl.rollout.vllm_engine import EngineAsleep, EngineConfig, SamplingConfig
 

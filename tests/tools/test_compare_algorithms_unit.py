@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rl.cli.demo import TASKS
+from examples.demo.tasks import TASKS
 from megatron_rl.config import load_config
 from tools.compare_algorithms import (
     ABLATIONS,

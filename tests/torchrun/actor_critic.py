@@ -11,40 +11,40 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel import distributed
 from megatron_rl.parallel.collectives import balance_over_data_parallel
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.policy import Actor
 
-SP = platform.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
-PP = platform.ParallelLayout(pipeline_model_parallel_size=2)
+SP = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
+PP = distributed.ParallelLayout(pipeline_model_parallel_size=2)
 TOKEN_BUDGET = 40
 """Padded tokens per micro-batch in the "-tok" layouts: 1 to 3 of the batch's rows (4 to 23
 tokens long) each, every micro-batch cut to its own length."""
 # name -> (layout, split per DP rank: a number of equal micro-batches, or a token budget)
 LAYOUTS = {
-    "dp1-mb1": (platform.ParallelLayout(), {"num_microbatches": 1}),
-    "dp1-mb4": (platform.ParallelLayout(), {"num_microbatches": 4}),
-    "dp2-mb2": (platform.ParallelLayout(), {"num_microbatches": 2}),
-    "tp2": (platform.ParallelLayout(tensor_model_parallel_size=2), {"num_microbatches": 2}),
+    "dp1-mb1": (distributed.ParallelLayout(), {"num_microbatches": 1}),
+    "dp1-mb4": (distributed.ParallelLayout(), {"num_microbatches": 4}),
+    "dp2-mb2": (distributed.ParallelLayout(), {"num_microbatches": 2}),
+    "tp2": (distributed.ParallelLayout(tensor_model_parallel_size=2), {"num_microbatches": 2}),
     "tp2-sp": (SP, {"num_microbatches": 2}),
     "pp2": (PP, {"num_microbatches": 4}),
-    "dp1-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
-    "dp2-tok": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    "dp1-tok": (distributed.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    "dp2-tok": (distributed.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
     "tp2-sp-tok": (SP, {"max_tokens": TOKEN_BUDGET}),
     "pp2-tok": (PP, {"max_tokens": TOKEN_BUDGET}),
     "vpp2-tok": (
-        platform.ParallelLayout(
+        distributed.ParallelLayout(
             pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
         ),
         {"max_tokens": TOKEN_BUDGET},
     ),
     # the rows re-dealt over the DP ranks by token count first (trainer.balance_batch)
-    "dp2-bal": (platform.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    "dp2-bal": (distributed.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
 }
 LOSSES = {
     "token-mean+nll": PolicyLossConfig(loss_agg_mode="token-mean", nll_coef=0.1),
@@ -79,7 +79,7 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
     from megatron.core import parallel_state
 
     layout, split = LAYOUTS[name]
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     rows_per_rank = len(batch) // ctx.dp_size
     rows = slice(ctx.dp_rank * rows_per_rank, (ctx.dp_rank + 1) * rows_per_rank)
     local = batch.rows(rows)
@@ -112,11 +112,11 @@ def main():
     p.add_argument("--out-dir", required=True)
     p.add_argument("--layouts", required=True, help="comma-separated names of LAYOUTS")
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     batch = global_batch(arch.vocab_size)
     for name in a.layouts.split(","):
         run_layout(name, arch, a.hf_dir, batch, a.out_dir)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

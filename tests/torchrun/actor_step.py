@@ -6,9 +6,9 @@ import argparse
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel import distributed
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -30,9 +30,9 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
-    layout = platform.ParallelLayout(tensor_model_parallel_size=2)
-    ctx = platform.initialize(layout, arch=arch)
+    arch = read_hf_config(a.hf_dir)
+    layout = distributed.ParallelLayout(tensor_model_parallel_size=2)
+    ctx = distributed.initialize(layout, arch=arch)
     batch = global_batch(arch.vocab_size)
     optim = OptimConfig(lr=1e-3, weight_decay=0.0)
 
@@ -134,7 +134,7 @@ def main():
     }
     if ctx.rank == 0:
         torch.save(summary, a.out)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 44, 8, 21, 7, 6]]
@@ -26,8 +26,8 @@ def main():
     p.add_argument("--sync-dir", required=True)
     p.add_argument("--jobs", type=int, required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
-    platform.initialize(platform.ParallelLayout(tensor_model_parallel_size=2), arch=arch)
+    arch = read_hf_config(a.hf_dir)
+    distributed.initialize(distributed.ParallelLayout(tensor_model_parallel_size=2), arch=arch)
     engine = VLLMEngine(
         a.hf_dir, EngineConfig(max_model_len=256, external_launcher=True, tensor_parallel_size=2)
     )
@@ -45,7 +45,7 @@ def main():
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps([s.token_ids for s in samples]))
     engine.shutdown()
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

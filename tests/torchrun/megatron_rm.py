@@ -6,7 +6,7 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
+from megatron_rl.parallel import distributed
 from megatron_rl.rewards import RewardInput, RewardModelConfig, RewardScorer
 
 
@@ -26,13 +26,13 @@ def main():
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    ctx = platform.initialize(platform.ParallelLayout(tensor_model_parallel_size=a.tp))
+    ctx = distributed.initialize(distributed.ParallelLayout(tensor_model_parallel_size=a.tp))
     scorer = RewardScorer([RewardModelConfig(model_dir=a.rm_dir, backend="megatron", batch_size=4)])
     out = scorer(inputs())
     if ctx.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"rewards": out.rewards, "errors": out.errors}, f)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks, layer_offset
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.parallel import distributed
 from tests.torchrun.common import fixed_tokens, position_ids
 
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 4, 2, 16
@@ -51,7 +51,7 @@ def run(layout, arch, hf_dir, batch):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    platform.initialize(layout, arch=arch)
+    distributed.initialize(layout, arch=arch)
     chunks = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron(chunks, hf_dir, arch)
     # Every chunk's forward step draws from its own iterator over the same micro-batches.
@@ -82,13 +82,15 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out-dir", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     batch = fixed_tokens(arch.vocab_size, batch=MICRO_BATCHES * MICRO_BATCH_SIZE, seq=SEQ)
     result = {
-        "pp1": run(platform.ParallelLayout(), arch, a.hf_dir, batch),
-        "pp2": run(platform.ParallelLayout(pipeline_model_parallel_size=2), arch, a.hf_dir, batch),
+        "pp1": run(distributed.ParallelLayout(), arch, a.hf_dir, batch),
+        "pp2": run(
+            distributed.ParallelLayout(pipeline_model_parallel_size=2), arch, a.hf_dir, batch
+        ),
         "vpp2": run(
-            platform.ParallelLayout(
+            distributed.ParallelLayout(
                 pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
             ),
             arch,
@@ -98,7 +100,7 @@ def main():
     }
     rank = torch.distributed.get_rank()
     torch.save(result, Path(a.out_dir) / f"rank{rank}.pt")
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

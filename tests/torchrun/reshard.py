@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import load_role
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel import distributed
 from megatron_rl.trainer.checkpoint import load_roles, save_roles
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
@@ -45,11 +45,11 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--load", action="store_true")
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
-    layout = platform.ParallelLayout(
+    arch = read_hf_config(a.hf_dir)
+    layout = distributed.ParallelLayout(
         tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
     )
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     batch = global_batch(arch.vocab_size)
     batch = batch.with_fields(ref_logprobs=batch.old_logprobs)
     optim = OptimConfig(lr=1e-3, weight_decay=0.01)
@@ -81,7 +81,7 @@ def main():
         result["model_only_after"] = full(fresh)
     if ctx.rank == ctx.world_size - 1:  # a last pipeline stage: it has the loss metrics
         torch.save(result, a.out)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
+from megatron_rl.parallel import distributed
 from megatron_rl.rewards import PythonRewardConfig, RewardInput
 from megatron_rl.rewards.pool import ModelParallelScoringPool
 
@@ -19,8 +19,8 @@ def main():
     p.add_argument("--out-dir", required=True)
     p.add_argument("--calls-file", required=True)
     a = p.parse_args()
-    ctx = platform.initialize(
-        platform.ParallelLayout(tensor_model_parallel_size=int(os.environ["WORLD_SIZE"]))
+    ctx = distributed.initialize(
+        distributed.ParallelLayout(tensor_model_parallel_size=int(os.environ["WORLD_SIZE"]))
     )
     fn = PythonRewardConfig(
         path="tests.reward_fns:rank_dependent", kwargs={"calls_file": a.calls_file}
@@ -32,7 +32,7 @@ def main():
     pool.close()
     with open(os.path.join(a.out_dir, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(rewards, f)
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

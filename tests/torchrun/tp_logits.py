@@ -10,15 +10,15 @@ import argparse
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.parallel import distributed
 from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
 
 
 def logits_under(layout, arch, hf_dir, tokens, backward):
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     (model,) = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron([model], hf_dir, arch)
     logits = gather_vocab(model(tokens, position_ids(tokens), None), arch.vocab_size)
@@ -38,13 +38,13 @@ def main():
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     tokens = fixed_tokens(arch.vocab_size)
-    _, tp1, _ = logits_under(platform.ParallelLayout(), arch, a.hf_dir, tokens, backward=False)
+    _, tp1, _ = logits_under(distributed.ParallelLayout(), arch, a.hf_dir, tokens, backward=False)
     ctx, tp2, grads = logits_under(
-        platform.ParallelLayout(tensor_model_parallel_size=2), arch, a.hf_dir, tokens, True
+        distributed.ParallelLayout(tensor_model_parallel_size=2), arch, a.hf_dir, tokens, True
     )
-    sp = platform.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
+    sp = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
     _, tp2_sp, _ = logits_under(sp, arch, a.hf_dir, tokens, backward=False)
     if ctx.rank == 0:
         torch.save(
@@ -59,7 +59,7 @@ def main():
             },
             a.out,
         )
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import argparse
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
 from megatron_rl.data.batch import samples_to_batch
-from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.parallel import distributed
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
@@ -21,8 +21,8 @@ from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 
 LAYOUTS = {
-    "tp2": platform.ParallelLayout(tensor_model_parallel_size=2),
-    "pp2": platform.ParallelLayout(pipeline_model_parallel_size=2),
+    "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
+    "pp2": distributed.ParallelLayout(pipeline_model_parallel_size=2),
 }
 
 
@@ -35,9 +35,9 @@ def main():
     p.add_argument("--vllm-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=512)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
+    arch = read_hf_config(a.hf_dir)
     layout = LAYOUTS[a.layout]
-    ctx = platform.initialize(layout, arch=arch)
+    ctx = distributed.initialize(layout, arch=arch)
     actor = Actor(arch, layout, a.hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
     engine = VLLMEngine(
         a.hf_dir,
@@ -72,7 +72,7 @@ def main():
             },
             a.out,
         )
-    platform.destroy()
+    distributed.destroy()
 
 
 if __name__ == "__main__":

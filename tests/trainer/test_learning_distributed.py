@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.cli.demo import TASKS, read_curves, run_rl, warm_start
+from examples.demo.demo import read_curves, run_rl, warm_start
+from examples.demo.tasks import TASKS
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_rl.launch import run_torchrun
+from megatron_rl.models.hf_config import read_hf_config
 from tests.tolerances import FP32_MODEL, assert_close
 
 pytestmark = pytest.mark.distributed
@@ -81,10 +82,9 @@ def test_critic_gradients_do_not_depend_on_the_split(results, layout):
 
 
 def test_balancing_re_deals_whole_rows_and_evens_the_ranks_tokens(results, tiny_model_dir):
-    from megatron_rl.models.architecture import ModelArchitecture
     from tests.torchrun.actor_critic import global_batch
 
-    batch = global_batch(ModelArchitecture.from_hf_config(tiny_model_dir).vocab_size)
+    batch = global_batch(read_hf_config(tiny_model_dir).vocab_size)
     ranks = results["dp2-bal"]["ranks"]
     assert [len(r["input_ids"]) for r in ranks] == [4, 4]  # each rank keeps its row count
     got = sorted(map(tuple, torch.cat([r["input_ids"] for r in ranks]).tolist()))
@@ -114,12 +114,11 @@ def test_logged_losses_are_the_global_batchs_whatever_the_split(results, layout)
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logprobs_and_values_do_not_depend_on_the_layout(results, layout, tiny_model_dir):
-    from megatron_rl.models.architecture import ModelArchitecture
     from tests.torchrun.actor_critic import global_batch
 
     reference = {k: results["dp1-mb1"][k] for k in ("logprobs", "values")}
     if layout.endswith("-tok"):  # each micro-batch stops at its rows' last response token
-        batch = global_batch(ModelArchitecture.from_hf_config(tiny_model_dir).vocab_size)
+        batch = global_batch(read_hf_config(tiny_model_dir).vocab_size)
         seen = torch.arange(batch.seq_length) < batch.sequence_lengths()[:, None]
         assert not seen.all()  # some rows were cut, so the comparison below means something
         reference = {k: torch.where(seen, v, 0.0) for k, v in reference.items()}

@@ -5,7 +5,7 @@ import torch
 
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.losses_config import PolicyLossConfig
 
 

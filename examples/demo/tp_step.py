@@ -1,6 +1,6 @@
 """torchrun worker of the smoke demo: one Megatron forward/backward of the tiny model.
 
-    torchrun --nproc-per-node 2 -m megatron_rl.cli.demo_tp_step --hf-dir DIR [--tp 2 --pp 1]
+    torchrun --nproc-per-node 2 -m examples.demo.tp_step --hf-dir DIR [--tp 2 --pp 1]
 
 Loads the HF checkpoint into a Megatron GPTModel under the given layout, computes the
 next-token cross-entropy of a fixed batch (logits gathered over TP and cut to the real
@@ -17,10 +17,10 @@ import time
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl import platform
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.parallel import distributed
 
 
 def demo_batch(vocab_size: int, batch: int = 4, seq: int = 32, seed: int = 0) -> torch.Tensor:
@@ -39,15 +39,16 @@ def next_token_loss(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor) -> torch.
 
 @record
 def main() -> None:
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import tensor_parallel
 
     p = argparse.ArgumentParser()
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--tp", type=int, default=2)
     a = p.parse_args()
-    arch = ModelArchitecture.from_hf_config(a.hf_dir)
-    layout = platform.ParallelLayout(tensor_model_parallel_size=a.tp)
-    ctx = platform.initialize(layout, arch=arch)
+    arch = read_hf_config(a.hf_dir)
+    layout = distributed.ParallelLayout(tensor_model_parallel_size=a.tp)
+    ctx = distributed.initialize(layout, arch=arch)
     (model,) = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron([model], a.hf_dir, arch)
 
@@ -81,12 +82,15 @@ def main() -> None:
             ),
             flush=True,
         )
-    platform.destroy()
+    distributed.destroy()
 
 
 def model_parallel_grad_norm(model) -> float:
     """L2 norm of the full model's gradient, each TP-replicated parameter counted once."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import parallel_state
+
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     sq = sum(

@@ -1,6 +1,6 @@
 """Supervised warm start: teach the policy the answer format before RL (the tiny demo).
 
-    python -m megatron_rl.cli.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
+    python -m examples.demo.sft --model DIR --data train.jsonl --out DIR2 [--steps 200
         --lr 1e-3 --batch-size 16 --response-template 'The answer is \\boxed{{{answer}}}.'
         --label-key answer]
 
@@ -20,8 +20,18 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
+from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.fsutil import atomic_output_dir
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import export_hf_tensors
+from megatron_rl.parallel import distributed
+from megatron_rl.rollout.vllm_engine import Sample
+from megatron_rl.workers.losses_config import PolicyLossConfig
+from megatron_rl.workers.optimizer import OptimConfig
+from megatron_rl.workers.policy import Actor
 
 
 def main(argv=None) -> None:
@@ -38,23 +48,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (fixed on purpose)")
     a = p.parse_args(argv)
 
-    from safetensors.torch import save_file
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoTokenizer
 
-    from megatron_rl import platform
-    from megatron_rl.data import PromptDataConfig, PromptSampler, load_prompts
-    from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.models.architecture import ModelArchitecture
-    from megatron_rl.models.hf_mapping import export_hf_tensors
-    from megatron_rl.rollout.vllm_engine import Sample
-    from megatron_rl.workers.losses_config import PolicyLossConfig
-    from megatron_rl.workers.optimizer import OptimConfig
-    from megatron_rl.workers.policy import Actor
-
-    arch = ModelArchitecture.from_hf_config(a.model)
-    layout = platform.ParallelLayout()
-    platform.pin_threads(a.threads)
-    platform.initialize(layout, arch=arch, seed=a.seed, deterministic=True)
+    arch = read_hf_config(a.model)
+    layout = distributed.ParallelLayout()
+    distributed.pin_threads(a.threads)
+    distributed.initialize(layout, arch=arch, seed=a.seed, deterministic=True)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data, label_key=a.label_key), tokenizer)
     actor = Actor(arch, layout, a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0))
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
                 and f.is_file()
             ):
                 shutil.copy(f, tmp / f.name)
-    platform.destroy()
+    distributed.destroy()
     print(f"wrote {out}", flush=True)
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from megatron_rl import cpu_compat, platform
-from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.platform import ParallelLayout
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.parallel import cpu_compat, distributed
+from megatron_rl.parallel.distributed import ParallelLayout
 
 
 def test_world_size_not_divisible_names_the_numbers():
@@ -14,7 +14,7 @@ def test_world_size_not_divisible_names_the_numbers():
 
 
 def test_tp_must_divide_heads_and_kv_heads(tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 heads, 2 KV heads
+    arch = read_hf_config(tiny_model_dir)  # 4 heads, 2 KV heads
     with pytest.raises(
         ValueError, match="tensor_model_parallel_size=4 does not divide num_key_value_heads=2"
     ):
@@ -26,7 +26,7 @@ def test_tp_must_divide_heads_and_kv_heads(tiny_model_dir):
 
 
 def test_layers_must_split_over_pipeline_chunks(tiny_model_dir):
-    arch = ModelArchitecture.from_hf_config(tiny_model_dir)  # 4 layers
+    arch = read_hf_config(tiny_model_dir)  # 4 layers
     layout = ParallelLayout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4)
     with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by .* = 8"):
         layout.validate(world_size=2, arch=arch)
@@ -62,7 +62,7 @@ def test_bad_layout_fails_before_any_process_group(monkeypatch, tiny_model_dir):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match="world size 3"):
-        platform.initialize(ParallelLayout(tensor_model_parallel_size=2))
+        distributed.initialize(ParallelLayout(tensor_model_parallel_size=2))
     assert not torch.distributed.is_initialized()
 
 
@@ -96,10 +96,10 @@ def test_two_lone_processes_on_one_host_initialise_at_once(tmp_path):
     import sys
 
     code = (
-        "import sys, time; from pathlib import Path; from megatron_rl import platform; "
-        "platform.initialize(platform.ParallelLayout()); Path(sys.argv[1]).touch(); "
+        "import sys, time; from pathlib import Path; from megatron_rl.parallel import distributed; "
+        "distributed.initialize(distributed.ParallelLayout()); Path(sys.argv[1]).touch(); "
         "[time.sleep(0.1) for _ in range(600) if len(list(Path(sys.argv[1]).parent.iterdir())) < 2]; "
-        "platform.destroy()"
+        "distributed.destroy()"
     )  # each holds its process group until both are up
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
     procs = [
@@ -113,3 +113,16 @@ def test_two_lone_processes_on_one_host_initialise_at_once(tmp_path):
     ]
     errors = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
+
+
+@pytest.mark.parametrize("version", ["0.16.0", "0.16.1", "0.16"])
+def test_cpu_compat_accepts_the_megatron_core_it_was_written_for(version):
+    cpu_compat.check_megatron_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.17.0", "0.160.0", "1.0.0"])
+def test_cpu_compat_refuses_another_megatron_core_by_name(version):
+    with pytest.raises(
+        RuntimeError, match=f"written for megatron-core 0.16.x, but megatron-core {version}"
+    ):
+        cpu_compat.check_megatron_version(version)

@@ -1,7 +1,7 @@
 """`make demo`: tiny VAPO runs that learn, end to end on 2 CPU ranks (about 8 minutes).
 
 1. build the tiny random Qwen2 checkpoint (HF format) if it is not there yet;
-2. supervised warm start on the task's worked solutions (`megatron_rl.cli.sft`): the format
+2. supervised warm start on the task's worked solutions (`examples.demo.sft`): the format
    and an imperfect procedure, not every answer;
 3. for each seed (`--seeds 0,1,2`): VAPO (the task's recipe under torchrun, TP=2): value
    pretraining, then 20 PPO steps with the math verifier's +1/-1 reward; accuracy on the
@@ -38,8 +38,18 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from examples.demo.tasks import TASKS, DemoTask
+from examples.demo.tp_step import demo_batch, next_token_loss
+from examples.tiny_model import make_tiny_model
+from megatron_rl.algorithms.losses import settled_explained_variance
+from megatron_rl.config import load_config
+from megatron_rl.launch import run_torchrun
+from megatron_rl.parallel.distributed import pin_threads
+from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
 DEFAULT_DIR = Path("runs/demo")
 MIN_GAIN = 0.25
@@ -47,65 +57,15 @@ MIN_GAIN = 0.25
 machine-to-machine differences in CPU rounding move a run by."""
 
 
-@dataclass(frozen=True)
-class DemoTask:
-    """A task of the demo: its RL recipe and its supervised warm start."""
-
-    recipe: str
-    sft_data: str
-    sft_steps: int
-    sft_label_key: str
-    """The column the warm start's response template fills in."""
-    response_template: str
-    title: str
-    accuracy: str
-    """What `eval/accuracy` is in the task's recipe."""
-
-
-TASKS = {
-    "count_on": DemoTask(
-        recipe="examples/tiny/vapo_count_on.yaml",
-        sft_data="examples/tiny/data/sum_chains_countall_train.jsonl",
-        sft_steps=300,
-        sft_label_key="solution",
-        response_template="{answer}",
-        title="count on or count all, 20-62 token responses",
-        accuracy="avg@4 at T=1",
-    ),
-    "chains": DemoTask(
-        recipe="examples/tiny/vapo_chains.yaml",
-        sft_data="examples/tiny/data/sum_chains_train.jsonl",
-        sft_steps=150,
-        sft_label_key="solution",
-        response_template="{answer}",
-        title="worked sums, 20-60 token responses",
-        accuracy="avg@4 at T=1",
-    ),
-    "sums": DemoTask(
-        recipe="examples/tiny/vapo.yaml",
-        sft_data="examples/tiny/data/arithmetic_train.jsonl",
-        sft_steps=80,
-        sft_label_key="answer",
-        response_template="The answer is \\boxed{{{answer}}}.",
-        title="single-digit sums",
-        accuracy="greedy",
-    ),
-}
-
-
 def ensure_tiny_model(path: Path) -> Path:
-    from megatron_rl.models.tiny import make_tiny_model
-
     if (path / "config.json").exists():
         return path
     return make_tiny_model(path)
 
 
 def megatron_step(model_dir: Path) -> dict:
-    from megatron_rl.launch import run_torchrun
-
     result = run_torchrun(
-        "megatron_rl.cli.demo_tp_step", ["--hf-dir", str(model_dir), "--tp", "2"], timeout=600
+        "examples.demo.tp_step", ["--hf-dir", str(model_dir), "--tp", "2"], timeout=600
     )
     lines = [ln for ln in result.output.splitlines() if ln.startswith('{"layout"')]
     if len(lines) != 1:
@@ -114,10 +74,8 @@ def megatron_step(model_dir: Path) -> dict:
 
 
 def hf_reference_loss(model_dir: Path) -> float:
-    import torch
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoModelForCausalLM
-
-    from megatron_rl.cli.demo_tp_step import demo_batch, next_token_loss
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = demo_batch(model.config.vocab_size)
@@ -126,9 +84,8 @@ def hf_reference_loss(model_dir: Path) -> float:
 
 
 def vllm_generation(model_dir: Path, n: int) -> dict:
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import AutoTokenizer
-
-    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = ["What is 12 + 30?", "What is 7 * 6?"]
@@ -185,7 +142,7 @@ def warm_start(
 ) -> None:
     subprocess.run(
         [
-            sys.executable, "-m", "megatron_rl.cli.sft", "--model", str(model_dir),
+            sys.executable, "-m", "examples.demo.sft", "--model", str(model_dir),
             "--data", task.sft_data, "--out", str(out), "--steps", str(steps or task.sft_steps),
             "--lr", "2e-3", "--batch-size", "32", "--threads", str(threads),
             "--label-key", task.sft_label_key, "--response-template", task.response_template,
@@ -197,8 +154,6 @@ def warm_start(
 def run_rl(
     recipe: str, model_dir: Path, out: Path, seed: int, overrides=(), echo: bool = True
 ) -> None:
-    from megatron_rl.launch import run_torchrun
-
     if out.exists():
         shutil.rmtree(out)  # a fresh run, not a resume
     args = [
@@ -216,7 +171,6 @@ def read_curves(metrics_file: Path) -> dict:
     """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
     evaluated; and the critic's explained variance where value pretraining ended (the mean of
     its last steps, `settled_explained_variance`; None without value pretraining)."""
-    from megatron_rl.algorithms.losses import settled_explained_variance
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]
@@ -238,9 +192,11 @@ def weak_critics(curves: dict[int, dict], floor: float) -> list[int]:
 
 
 def plot_curves(curves: dict[int, dict], png: Path, title: str, accuracy: str) -> None:
+    # why: optional (the `demo` extra) and slow to import: only the plot needs it
     import matplotlib
 
     matplotlib.use("Agg")
+    # why: optional (the `demo` extra) and slow to import: only the plot needs it
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -280,9 +236,6 @@ def gain_table(curves: dict[int, dict], min_gain: float) -> tuple[str, list[int]
 
 
 def main(argv: list[str] | None = None) -> None:
-    from megatron_rl.config import load_config
-    from megatron_rl.platform import pin_threads
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--smoke", action="store_true", help="only the stack check")

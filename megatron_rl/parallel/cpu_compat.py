@@ -34,6 +34,22 @@ from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
+WRITTEN_FOR = "0.16"
+"""The megatron-core minor release whose internals the patches below name (0.16.x)."""
+
+
+def check_megatron_version(version: str) -> None:
+    """Refuse a megatron-core other than 0.16.x: the patches replace private functions by
+    name, and another release may have moved or changed them without any error at patch
+    time (the run would then fail, or silently use CUDA paths, later)."""
+    if version != WRITTEN_FOR and not version.startswith(WRITTEN_FOR + "."):
+        raise RuntimeError(
+            f"megatron_rl's CPU compatibility layer was written for megatron-core "
+            f"{WRITTEN_FOR}.x, but megatron-core {version} is installed: install "
+            f"megatron-core=={WRITTEN_FOR}.1 (the `cpu` extra), or run on CUDA, where the "
+            "layer is not applied"
+        )
+
 
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, torch.device):
@@ -99,17 +115,20 @@ def apply() -> bool:
     if _APPLIED:
         return True
 
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda device=None: None
-
+    # why: megatron-core is imported only on the CPU path that patches it (seconds at start-up)
     import megatron.core.optimizer as optimizer_pkg
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as optimizer_mod
+    from megatron.core.package_info import __version__ as megatron_version
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
 
+    check_megatron_version(megatron_version)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
     for name in (
         "forward_backward_no_pipelining",
         "forward_backward_pipelining_without_interleaving",
@@ -128,8 +147,6 @@ def apply() -> bool:
         _wrap_attr(module, "get_grad_norm_fp32")
         _wrap_attr(module, "count_zeros_fp32")
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    from megatron.core.tensor_parallel import random as tp_random
-
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(
         0, dtype=torch.uint8, device="cpu"
     )

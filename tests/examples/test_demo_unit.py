@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.cli.demo import gain_table, plot_curves, read_curves, weak_critics
+from examples.demo.demo import gain_table, plot_curves, read_curves, weak_critics
 from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 
 DATA = Path("examples/tiny/data")

@@ -3,7 +3,7 @@
 `initialize(layout)` is what every distributed entry point calls first. It
 1. validates the parallel layout against the world size and the model (before any process
    group exists, so a bad layout costs nothing and names the numbers),
-2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.cpu_compat`),
+2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.parallel.cpu_compat`),
 3. initialises torch.distributed (NCCL on GPU, gloo on CPU) from torchrun's environment,
 4. builds Megatron's TP/PP/DP groups (`parallel_state.initialize_model_parallel`),
 5. seeds torch and Megatron's model-parallel RNG tracker.
@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the model is checked against the layout; platform never builds one
-    from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.parallel import cpu_compat
+from megatron_rl.procutil import THREAD_ENV_VARS, free_port
+
+
+class ShardableModel(Protocol):
+    """What a layout checks of a model (`models.architecture.ModelArchitecture` is one): a
+    protocol, so the parallel layer needs nothing from the models above it."""
+
+    def check_divisible(self, tp: int, layer_chunks: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class ParallelLayout:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // self.model_parallel_size
 
-    def validate(self, world_size: int, arch: ModelArchitecture | None = None) -> None:
+    def validate(self, world_size: int, arch: ShardableModel | None = None) -> None:
         """Raise ValueError, naming the numbers, if this layout cannot run.
 
         Checked before any process group is created.
@@ -135,7 +144,7 @@ def _env_int(name: str, default: int) -> int:
 def initialize(
     layout: ParallelLayout,
     *,
-    arch: ModelArchitecture | None = None,
+    arch: ShardableModel | None = None,
     seed: int = 1234,
     deterministic: bool = False,
 ) -> DistributedContext:
@@ -152,8 +161,6 @@ def initialize(
     local_rank = _env_int("LOCAL_RANK", 0)
     layout.validate(world_size, arch)
 
-    from megatron_rl import cpu_compat
-
     compat = cpu_compat.apply()
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
@@ -166,8 +173,6 @@ def initialize(
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            from megatron_rl.launch import free_port
-
             # a lone process (a warm start, a tool) takes a free port: two at once on one
             # host met on a fixed one (EADDRINUSE)
             os.environ["MASTER_PORT"] = str(free_port() if world_size == 1 else 29500)
@@ -178,6 +183,7 @@ def initialize(
             timeout=datetime.timedelta(minutes=layout.distributed_timeout_minutes),
         )
 
+    # why: megatron-core takes seconds to import; a layout error above is reported first
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
@@ -226,10 +232,6 @@ def device() -> torch.device:
 
 def seed_everything(seed: int) -> None:
     """Python's `random`, NumPy's global generator and torch's (CPU and CUDA)."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -242,8 +244,6 @@ def pin_threads(threads: int) -> dict[str, str]:
     differs between machines."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    from megatron_rl.launch import THREAD_ENV_VARS
-
     torch.set_num_threads(threads)
     env = {name: str(threads) for name in THREAD_ENV_VARS}
     os.environ.update(env)
@@ -252,7 +252,7 @@ def pin_threads(threads: int) -> dict[str, str]:
 
 def destroy() -> None:
     """Tear down Megatron's groups and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # why: as in `initialize`, megatron loads late
 
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():

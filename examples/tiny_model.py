@@ -1,6 +1,6 @@
 """Write a tiny random-initialised Qwen2 (or Qwen3, Llama) checkpoint in Hugging Face format.
 
-    python -m megatron_rl.models.tiny --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
+    python -m examples.tiny_model --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
         --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
 
 The checkpoint is the shared fixture of the tests: safetensors weights, config.json, a
@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from megatron_rl import fsutil
 from megatron_rl.models.hf_config import HF_CLASS_PREFIX
+from megatron_rl.models.presets import preset_arch
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -127,7 +131,7 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
 
 
 def build_tokenizer(spec: TinyModelSpec):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    # why: transformers takes seconds to import: only this path needs it
     from transformers import PreTrainedTokenizerFast
 
     specials, eos, pad, template = TEMPLATES[spec.chat_template]
@@ -151,7 +155,7 @@ def build_tokenizer(spec: TinyModelSpec):
 
 
 def build_model(spec: TinyModelSpec, tokenizer):
-    import torch
+    # why: transformers takes seconds to import: only this path needs it
     import transformers
 
     family = FAMILIES[spec.model_type]
@@ -199,7 +203,6 @@ def build_model(spec: TinyModelSpec, tokenizer):
 def spec_for_preset(name: str, **overrides) -> TinyModelSpec:
     """A random checkpoint of a preset's shape (`megatron_rl.models.presets`), with the small
     byte-level tokenizer: for benchmarks, where the weights' values do not matter."""
-    from megatron_rl.models.presets import preset_arch
 
     arch = preset_arch(name)
     return TinyModelSpec(

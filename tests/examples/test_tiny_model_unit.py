@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from megatron_rl.models.tiny import TinyModelSpec, main, make_tiny_model
+from examples.tiny_model import TinyModelSpec, main, make_tiny_model
 
 
 def test_checkpoint_files_and_architecture(tiny_model_dir):
