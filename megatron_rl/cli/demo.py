@@ -216,7 +216,7 @@ def read_curves(metrics_file: Path) -> dict:
     """Per step: train reward mean, and held-out accuracy (`eval/accuracy`) where it was
     evaluated; and the critic's explained variance where value pretraining ended (the mean of
     its last steps, `settled_explained_variance`; None without value pretraining)."""
-    from megatron_rl.algorithms.losses import settled_explained_variance
+    from megatron_rl.trainer.value_pretrain import settled_explained_variance
 
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     train = [r for r in records if r["stage"] == "train"]

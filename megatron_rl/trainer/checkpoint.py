@@ -178,6 +178,7 @@ def clear_previous_run(output_dir: str | Path) -> None:
 class CheckpointManager:
     def __init__(
         self,
+        *,
         output_dir: str | Path,
         rank: int,
         world_size: int,
