@@ -40,6 +40,7 @@ def finite_numbers(metrics: dict) -> dict[str, float]:
 
 class TensorBoardBackend:
     def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
@@ -57,6 +58,7 @@ class TensorBoardBackend:
 
 class WandbBackend:
     def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         import wandb
 
         self.run = wandb.init(
@@ -81,6 +83,7 @@ def mlflow_name(key: str) -> str:
 
 class MlflowBackend:
     def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):

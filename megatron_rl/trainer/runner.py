@@ -29,7 +29,9 @@ from megatron_rl.config import (
     to_dict,
     validate_config,
 )
+from megatron_rl.data import PromptStream, load_prompts
 from megatron_rl.data.batch import TrainingBatch, mini_batches
+from megatron_rl.models.hf_export import save_hf_pretrained
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.collectives import (
     any_rank,
@@ -38,11 +40,13 @@ from megatron_rl.parallel.collectives import (
     reduce_over_ranks,
 )
 from megatron_rl.preemption import STOP
+from megatron_rl.rewards.pool import ModelParallelScoringPool
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.sync.weight_sync import sync_weights
 from megatron_rl.trainer.checkpoint import (
     HF_EXPORTS,
     CheckpointManager,
@@ -65,6 +69,8 @@ from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
 from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak
 from megatron_rl.trainer.value_pretrain import run_value_pretraining
 from megatron_rl.trainer.watchdog import Watchdog, default_store
+from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.policy import Actor, ReferencePolicy
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
@@ -98,12 +104,8 @@ def in_phase(name: str):
 
 class RLTrainer:
     def __init__(self, config: TrainConfig):
+        # transformers is heavy: loaded once a run is being built, not at import
         from transformers import AutoTokenizer
-
-        from megatron_rl.data import PromptStream, load_prompts
-        from megatron_rl.rewards.pool import ModelParallelScoringPool
-        from megatron_rl.workers.critic import Critic
-        from megatron_rl.workers.policy import Actor, ReferencePolicy
 
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         validate_config(config, world_size)  # before any process group or model
@@ -212,8 +214,6 @@ class RLTrainer:
         # One generation per model replica, split over its engines (`rollout/replica.py`).
         self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
         if policy_source.is_megatron:
-            from megatron_rl.sync.weight_sync import sync_weights
-
             sync_weights(self.actor, self.engine)
         self.shm.write()
         self.sampling = SamplingConfig(
@@ -510,8 +510,6 @@ class RLTrainer:
         with self.phase("train"):
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
-        from megatron_rl.sync.weight_sync import sync_weights
-
         self.wake_engine(("weights",))
         with self.phase("sync"):
             sync_weights(self.actor, self.engine)
@@ -573,8 +571,6 @@ class RLTrainer:
     @in_phase("save_hf")
     def save_hf(self) -> Path:
         """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`)."""
-        from megatron_rl.models.hf_export import save_hf_pretrained
-
         out = Path(self.config.trainer.output_dir) / HF_EXPORTS / f"step_{self.step:06d}"
         meta_dir = ModelSource(self.config.model.path).hf_dir
         with self.roles_resident():
@@ -625,8 +621,6 @@ class RLTrainer:
 
     def resume(self, path, rng: dict | None, trainer_state: dict) -> None:
         """Continue from `path`, whose roles `load_roles` has loaded."""
-        from megatron_rl.sync.weight_sync import sync_weights
-
         if rng is not None:
             set_rng_state(rng)
         self.prompts.load_state_dict(trainer_state["data"])

@@ -42,6 +42,7 @@ BETWEEN = "between phases"
 
 def default_store():
     """The torchrun job's key-value store (the one the process group was made from), or None."""
+    # torch only here: the watchdog itself (and its unit tests) run without it
     import torch.distributed as dist
 
     if not dist.is_initialized():

@@ -180,6 +180,7 @@ class TrainableRole(MegatronRole):
         whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches.
         `max_tokens`: micro-batches by token budget instead of `num_microbatches` equal ones
         (`split_micro_batches`); the counts are the batch's, so the gradient is the same."""
+        # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
         from megatron.core import parallel_state
 
         self.restore_offloaded()
