@@ -1,5 +1,5 @@
-"""`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, and
-offers the steps `megatron_rl.cli.train` strings together.
+"""`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, its steps
+and its loop (`fit`: value pretraining, the PPO steps, evaluation, checkpoints, stop requests).
 
 Ranks: one model replica per data-parallel rank (its TP x PP ranks); its vLLM engines (one
 per pipeline stage by default, vLLM TP = Megatron TP) split each rollout's prompts and share
