@@ -103,7 +103,9 @@ def make_experience(
         lam = out.lambda_policy[mask.sum(dim=1) > 0]
         # the DP-global min (every rank takes part): the ranks' means then average it unchanged
         low = lam.min().item() if lam.numel() else math.inf
-        low = -data_parallel_max(torch.tensor([-low], device=mask.device)).item()
+        low = -data_parallel_max(
+            torch.tensor([-low], dtype=torch.float64, device=mask.device)
+        ).item()
         if lam.numel():
             metrics["algorithm/lambda_policy/mean"] = lam.mean().item()
             metrics["algorithm/lambda_policy/min"] = low
