@@ -39,7 +39,7 @@ def finite_numbers(metrics: dict) -> dict[str, float]:
 
 
 class TensorBoardBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
         # optional backends: imported only when trainer.logger names them
         from torch.utils.tensorboard import SummaryWriter
 
@@ -57,7 +57,7 @@ class TensorBoardBackend:
 
 
 class WandbBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
         # optional backends: imported only when trainer.logger names them
         import wandb
 
@@ -82,7 +82,7 @@ def mlflow_name(key: str) -> str:
 
 
 class MlflowBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
         # optional backends: imported only when trainer.logger names them
         import mlflow
 
@@ -128,7 +128,11 @@ def make_backends(names, output_dir: Path, config: dict, run_name: str, project:
         if name not in BACKENDS:  # console, jsonl: MetricsLogger's own
             continue
         try:
-            made.append(BACKENDS[name](output_dir, config, run_name, project))
+            made.append(
+                BACKENDS[name](
+                    output_dir=output_dir, config=config, run_name=run_name, project=project
+                )
+            )
         except ImportError as e:
             raise RuntimeError(
                 f"trainer.logger {name!r}: {e.name or e} is not installed "
