@@ -59,7 +59,9 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     fp32 = build_gpt_model_chunks(arch, distributed.ParallelLayout(), use_transformer_engine=False)
     load_hf_into_megatron(fp32, tiny_model_dir, arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
-    actor = Actor(arch, distributed.ParallelLayout(), tiny_model_dir, precision=bf16)
+    actor = Actor(
+        arch=arch, layout=distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16
+    )
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
     batch = cuda_global_batch(arch)
     metrics = actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
@@ -90,7 +92,7 @@ def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
-    actor = Actor(arch, layout, tiny_model_dir, precision=fp8)
+    actor = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=fp8)
     batch = cuda_global_batch(arch)  # S=23: padded to 16-multiples by the actor
     metrics = actor.update(batch, PolicyLossConfig(), num_microbatches=2)
     assert metrics["update_ok"]
@@ -111,12 +113,14 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig(nll_coef=0.1)
 
-    first = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
+    first = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
     first.update(batch, loss, num_microbatches=2)
     save_role(first.chunks, first.optimizer, tmp_path / "actor")
     first.update(batch, loss, num_microbatches=2)
 
-    resumed = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
+    resumed = Actor(
+        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
+    )
     load_role(resumed.chunks, resumed.optimizer, tmp_path / "actor")
     resumed.update(batch, loss, num_microbatches=2)
     for a, b in zip(first.chunks[0].parameters(), resumed.chunks[0].parameters(), strict=True):
@@ -140,8 +144,10 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed_optimizer)
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig()
-    plain = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
-    offloaded = Actor(arch, layout, tiny_model_dir, precision=bf16, optim=optim)
+    plain = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
+    offloaded = Actor(
+        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
+    )
     for _ in range(2):
         plain.update(batch, loss, num_microbatches=2)
         offloaded.update(batch, loss, num_microbatches=2)
@@ -183,7 +189,10 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     assert ctx.backend == "nccl" and distributed.device().type == "cuda"
     batch = global_batch(arch.vocab_size)
     assert batch.input_ids.device.type == "cpu"
-    actor, critic = Actor(arch, layout, tiny_model_dir), Critic(arch, layout, tiny_model_dir)
+    actor, critic = (
+        Actor(arch=arch, layout=layout, model_path=tiny_model_dir),
+        Critic(arch=arch, layout=layout, model_path=tiny_model_dir),
+    )
     assert actor.device.type == critic.device.type == "cuda"
     logprobs = actor.compute_logprobs(batch, num_microbatches=2)
     values = critic.compute_values(batch)

@@ -59,16 +59,6 @@ LAYERS: list[tuple[str, ...]] = [
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 """(importer, imported) pairs allowed to break (b), each with the reason it is left."""
 
-WHY_EXEMPT = (
-    "megatron_rl/trainer/",
-    "megatron_rl/workers/",
-    "megatron_rl/cli/train.py",
-    "megatron_rl/cli/value_pretrain.py",
-    "megatron_rl/config",
-)
-"""Files (c) does not check yet: rewritten in parallel with this test (issue #43, the trainer's
-and the config's parts, whose imports carry their reasons there); empty this once merged."""
-
 
 @dataclass(frozen=True)
 class Import:
@@ -280,14 +270,12 @@ def _unexplained_in(rel: str, text: str) -> list[str]:
     return bad
 
 
-def unexplained_late_imports(root: Path, package: str, exempt: tuple[str, ...] = ()) -> list[str]:
+def unexplained_late_imports(root: Path, package: str) -> list[str]:
     """Function-level imports (of anything) without a `# why` on their line, on the line above,
     or above the first of the run of consecutive imports they belong to."""
     bad = []
     for path in sorted((root / package).rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if not rel.startswith(exempt):
-            bad += _unexplained_in(rel, path.read_text())
+        bad += _unexplained_in(path.relative_to(root).as_posix(), path.read_text())
     return sorted(set(bad))
 
 
@@ -317,7 +305,7 @@ def test_the_library_imports_no_examples_tools_or_tests():
 
 
 def test_every_late_import_says_why():
-    assert unexplained_late_imports(ROOT, PACKAGE, WHY_EXEMPT) == []
+    assert unexplained_late_imports(ROOT, PACKAGE) == []
 
 
 # ---- each check can fail: a small synthetic package ---------------------------------------------

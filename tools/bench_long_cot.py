@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     arch = preset_arch(a.preset)
     layout = distributed.ParallelLayout()
     ctx = distributed.initialize(layout, arch=arch)
-    actor = Actor(arch, layout, optim=OptimConfig())
+    actor = Actor(arch=arch, layout=layout, optim=OptimConfig())
     responses = long_tailed_lengths(a.rows, a.median, a.sigma, a.max_length)
     batch = long_cot_batch(arch.vocab_size, a.prompt_length, responses)
     budget = a.micro_batch_size * batch.seq_length  # the padded arm's tokens per micro-batch

@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     ctx = distributed.initialize(layout, arch=arch)
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     precision = PrecisionConfig(params_dtype=dtype, fp8=a.fp8)
-    actor = Actor(arch, layout, precision=precision, optim=OptimConfig())
+    actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
     sequences = a.micro_batch_size * a.num_microbatches
     batch = to_device(synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank), ctx.device)
     loss_cfg = PolicyLossConfig(nll_coef=0.1)

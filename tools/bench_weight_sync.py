@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
             make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
         hf_dir = _rank0_path(work / "model" if work else None, ctx)
-        policy = ReferencePolicy(arch, layout, hf_dir)
+        policy = ReferencePolicy(arch=arch, layout=layout, model_path=hf_dir)
         engine = VLLMEngine(
             hf_dir,
             EngineConfig(

@@ -57,7 +57,9 @@ def worker(a) -> None:
     )
     ctx = distributed.initialize(layout, arch=arch)
     # forward-only: no optimizer state needed
-    policy = ReferencePolicy(arch, layout, a.hf_dir, temperature=a.temperature)
+    policy = ReferencePolicy(
+        arch=arch, layout=layout, model_path=a.hf_dir, temperature=a.temperature
+    )
     engine = VLLMEngine(
         a.hf_dir,
         EngineConfig(

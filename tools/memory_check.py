@@ -93,7 +93,9 @@ def check(recompute: str | None, a, ctx) -> dict:
 
     arch = preset_arch("tiny")
     torch.manual_seed(0)  # the same initial weights for every recompute setting
-    actor = Actor(arch, ctx.layout, optim=OptimConfig(), recompute=RecomputeConfig(recompute))
+    actor = Actor(
+        arch=arch, layout=ctx.layout, optim=OptimConfig(), recompute=RecomputeConfig(recompute)
+    )
     batch = synthetic_batch(arch, a.micro_batch_size, a.seq_length, seed=ctx.dp_rank)
     params = [p for c in actor.chunks for p in c.parameters()]
     meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})

@@ -45,11 +45,11 @@ import torch
 from examples.demo.tasks import TASKS, DemoTask
 from examples.demo.tp_step import demo_batch, next_token_loss
 from examples.tiny_model import make_tiny_model
-from megatron_rl.algorithms.losses import settled_explained_variance
 from megatron_rl.config import load_config
 from megatron_rl.launch import run_torchrun
 from megatron_rl.parallel.distributed import pin_threads
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.trainer.value_pretrain import settled_explained_variance
 
 DEFAULT_DIR = Path("runs/demo")
 MIN_GAIN = 0.25

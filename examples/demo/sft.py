@@ -57,7 +57,9 @@ def main(argv=None) -> None:
     distributed.initialize(layout, arch=arch, seed=a.seed, deterministic=True)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data, label_key=a.label_key), tokenizer)
-    actor = Actor(arch, layout, a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0))
+    actor = Actor(
+        arch=arch, layout=layout, model_path=a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0)
+    )
     loss = PolicyLossConfig(nll_coef=1.0)
     sampler = PromptSampler(len(dataset), seed=a.seed)
     for step in range(a.steps):

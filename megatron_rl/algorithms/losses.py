@@ -9,7 +9,6 @@ with `token_and_sequence_counts` and all-reduces; these functions never communic
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -22,7 +21,6 @@ from megatron_rl.algorithms.registry import lookup, registrar
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
-PRETRAIN_EV_WINDOW = 5
 
 
 def token_and_sequence_counts(response_mask: torch.Tensor) -> torch.Tensor:
@@ -257,19 +255,3 @@ def explained_variance_of(returns: Moments, residuals: Moments) -> torch.Tensor:
     (biased, and undefined on parts whose returns are constant)."""
     var_r = returns.var
     return torch.where(var_r > 0, 1 - residuals.var / var_r, torch.full_like(var_r, float("nan")))
-
-
-def settled_explained_variance(
-    per_step: list[float | None], window: int = PRETRAIN_EV_WINDOW
-) -> float:
-    """Where value pretraining ended: the mean explained variance of its last `window` steps
-    (fewer if it ran fewer); None (NaN written to JSON) counts as NaN, so it propagates.
-
-    Each step measures EV on that step's fresh rollout batch (128 responses of 16 prompts in
-    the tiny demo), and consecutive batches swing it by +-0.2 with the critic barely changed
-    (measured on one demo run: 0.58, 0.37, 0.54, 0.13, 0.25 over its last five steps), so the
-    last step alone is a noisy read of the critic."""
-    if not per_step:
-        raise ValueError("settled_explained_variance: no value-pretraining step to read")
-    last = [math.nan if ev is None else float(ev) for ev in per_step[-window:]]
-    return sum(last) / len(last)

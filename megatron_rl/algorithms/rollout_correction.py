@@ -131,8 +131,8 @@ class CorrectionSums:
             "rollout_corr/kl": -s["log_ratio"] / n,
             "rollout_corr/k3_kl": s["k3"] / n,
             # |old - rollout| log-prob: 1e-6 when the engines agree (fp32, same kernels).
-            "logprob_gap_mean": s["abs_gap"] / n,
-            "logprob_gap_max": m["abs_gap_max"],
+            "rollout/logprob_gap/mean": s["abs_gap"] / n,
+            "rollout/logprob_gap/max": m["abs_gap_max"],
         }
 
 

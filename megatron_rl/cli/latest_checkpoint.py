@@ -18,7 +18,7 @@ from megatron_rl.trainer.checkpoint import CheckpointManager
 def main(argv=None) -> None:
     config = parse_args(argv, __doc__)
 
-    latest = CheckpointManager(config.trainer.output_dir, rank=0, world_size=1).latest()
+    latest = CheckpointManager(output_dir=config.trainer.output_dir, rank=0, world_size=1).latest()
     if latest is None:
         print("none")
         return

@@ -8,7 +8,7 @@ Monte-Carlo returns for `critic.pretrain_steps` steps (or until explained varian
 
 from __future__ import annotations
 
-from megatron_rl.cli.train import parse_args, value_pretrain
+from megatron_rl.cli.train import parse_args
 from megatron_rl.config import ConfigError
 from megatron_rl.preemption import STOP
 
@@ -16,6 +16,7 @@ from megatron_rl.preemption import STOP
 def main(argv=None) -> None:
     STOP.install()  # first: a signal while loading asks for a stop, it does not kill
     config = parse_args(argv, __doc__)
+    # here, not at the top: `--help` and a config error answer before megatron/vLLM load
     from megatron_rl.trainer.runner import RLTrainer
 
     if config.critic.pretrain_steps < 1:
@@ -28,7 +29,7 @@ def main(argv=None) -> None:
         if trainer.value_pretrain_done:
             print("value pretraining already done in this output_dir", flush=True)
         else:
-            value_pretrain(trainer)
+            trainer.fit_value_pretraining()  # a stop request ends it early, saved: exit 0
     finally:
         trainer.close()
 

@@ -100,8 +100,8 @@ def balance_over_data_parallel(batch: TrainingBatch) -> tuple[TrainingBatch, dic
     mean = sum(lengths) / len(counts)
     mine = ranks[torch.distributed.get_rank(group)]
     metrics = {
-        "dp_tokens_max_over_mean_before": max(before) / mean,
-        "dp_tokens_max_over_mean": max(after) / mean,
+        "perf/dp_tokens_max_over_mean_before": max(before) / mean,
+        "perf/dp_tokens_max_over_mean": max(after) / mean,
     }
     return everything.rows(torch.tensor(mine, device=device)), metrics
 

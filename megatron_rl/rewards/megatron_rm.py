@@ -50,7 +50,7 @@ class MegatronRewardModel(HFRewardModel):
         reader = HFCheckpointReader(model_dir)
         load_hf_into_megatron(chunks, reader, arch, skip={"output_layer.weight"})
         load_value_head(chunks, reader)
-        self.role = MegatronRole(arch, layout, chunks, precision)
+        self.role = MegatronRole(arch=arch, layout=layout, chunks=chunks, precision=precision)
 
     @torch.no_grad()
     def score_token_ids(self, ids: list[list[int]]) -> list[float]:

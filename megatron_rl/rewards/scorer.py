@@ -73,8 +73,8 @@ def check_failure_ratio(
         errs = [e for b in batches for e in b.errors[name]]
         failed = [e for e in errs if e is not None]
         ratio = len(failed) / max(len(errs), 1)
-        metrics[f"reward/{name}/failures"] = float(len(failed))
-        metrics[f"reward/{name}/failure_ratio"] = ratio
+        metrics[f"rollout/reward/{name}/failures"] = float(len(failed))
+        metrics[f"rollout/reward/{name}/failure_ratio"] = ratio
         if failed and (worst is None or ratio > worst[1]):
             worst = (name, ratio, len(failed), len(errs), failed[0])
     if worst is not None and worst[1] > max_failure_ratio:

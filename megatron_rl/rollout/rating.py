@@ -91,7 +91,10 @@ def request_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") % 2**31
 
 
-def _reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
+def reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
+    """What the reward functions score: each sample (its `prompt_index` into `prompts`, the
+    prompt records) with its decoded response `texts`. The rollout and the evaluation
+    (`trainer/evaluation.py`) both score through it."""
     return [
         RewardInput(
             prompt=prompts[s.prompt_index].prompt,
@@ -153,7 +156,7 @@ def generate_samples_with_rating(
                 samples = engine.generate(ids, sampling, seeds)
             timeline.append(("generate", num_chunks, t0, time.time()))
             texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-            handle = reward_fns.submit(_reward_inputs(batch, samples, texts))
+            handle = reward_fns.submit(reward_inputs(batch, samples, texts))
             inflight.append(_Chunk(num_chunks, batch, samples, texts, handle))
             num_chunks += 1
             generated += len(batch)
@@ -210,10 +213,12 @@ def _rollout_metrics(groups, rollout_size, num_chunks, generated, dropped) -> di
         "rollout/num_samples": float(len(samples)),
     }
     if samples:
-        m["reward/mean"] = sum(s.reward for s in samples) / len(samples)
-        m["response_length/mean"] = sum(s.sample.response_length for s in samples) / len(samples)
+        m["rollout/reward/mean"] = sum(s.reward for s in samples) / len(samples)
+        m["rollout/response_length/mean"] = sum(s.sample.response_length for s in samples) / len(
+            samples
+        )
         for name in samples[0].scores:
             ok = [s.scores[name] for s in samples if not math.isnan(s.scores[name])]
             if ok:
-                m[f"reward/{name}/mean"] = sum(ok) / len(ok)
+                m[f"rollout/reward/{name}/mean"] = sum(ok) / len(ok)
     return m

@@ -50,6 +50,7 @@ LR_SCHEDULER = "lr_scheduler.json"
 
 
 def rng_state() -> dict:
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core import tensor_parallel
 
     state = {
@@ -64,6 +65,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
@@ -178,6 +180,7 @@ def clear_previous_run(output_dir: str | Path) -> None:
 class CheckpointManager:
     def __init__(
         self,
+        *,
         output_dir: str | Path,
         rank: int,
         world_size: int,

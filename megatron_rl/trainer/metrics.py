@@ -1,7 +1,14 @@
-"""Step metrics: reduced over ranks, renamed to the peers' convention (`peer_name`), printed
-as a progress line, appended to metrics.jsonl and sent to the `trainer.logger` backends
-(`trainer/loggers.py`); evaluation results, one row per eval set and evaluation, in
-eval.jsonl."""
+"""Step metrics: printed as a progress line, appended to metrics.jsonl and sent to the
+`trainer.logger` backends (`trainer/loggers.py`); evaluation results, one row per eval set and
+evaluation, in eval.jsonl.
+
+Every part of a step computes its metrics under the name they are logged by, in the convention
+of verl and OpenRLHF: `actor/...` (policy loss, clip fractions, entropy, grad norm, the
+reward's KL), `critic/...` (`vf_loss`, `vf_explained_var`, values: only with a critic),
+`algorithm/...` (advantages, returns, the policy's GAE lambda), `rollout/...` (reward,
+accuracy, response length, generation, the engine-trainer log-prob gap), `rollout_corr/...`,
+`timing/...`, `perf/...` (throughput, DP balance), `memory/...`, `eval/...`. A role's update
+reports bare names (`pg_loss`, `vf_loss`) that the trainer files under the role's namespace."""
 
 from __future__ import annotations
 
@@ -44,51 +51,6 @@ def rewind_jsonl(path: Path, keep) -> int:
     return len(lines) - len(kept)
 
 
-ACTOR_KEYS = (
-    "pg_loss", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high", "pg_clipfrac_lower",
-    "ppo_kl", "entropy", "nll_loss", "kl_loss", "grad_norm", "lr", "micro_batches",
-    "skipped_nonfinite", "update_ok", "num_updates", "skipped_update",
-)  # fmt: skip
-RENAMED = {
-    **{key: f"actor/{key}" for key in ACTOR_KEYS},
-    "kl": "actor/reward_kl",
-    "critic/value_loss": "critic/vf_loss",
-    "critic/explained_variance": "critic/vf_explained_var",
-    "advantages_mean": "algorithm/advantages/mean",
-    "returns_mean": "algorithm/returns/mean",
-    "values_mean": "critic/values/mean",
-    "lambda_policy_mean": "algorithm/lambda_policy/mean",
-    "lambda_policy_min": "algorithm/lambda_policy/min",
-    "accuracy": "rollout/accuracy",
-    "logprob_gap_max": "rollout/logprob_gap/max",
-    "logprob_gap_mean": "rollout/logprob_gap/mean",
-    "tokens_per_s": "perf/tokens_per_s",
-    "dp_tokens_max_over_mean": "perf/dp_tokens_max_over_mean",
-    "dp_tokens_max_over_mean_before": "perf/dp_tokens_max_over_mean_before",
-}
-PREFIXED = (("reward/", "rollout/reward/"), ("response_length/", "rollout/response_length/"))
-
-
-def peer_name(key: str) -> str:
-    """The name a step metric is logged under, in the convention of verl and OpenRLHF:
-    `actor/...` (policy loss, clip fractions, entropy, grad norm), `critic/...` (`vf_loss`,
-    `vf_explained_var`, values: only with a critic), `algorithm/...` (advantages, returns,
-    the policy's GAE lambda), `rollout/...` (reward, accuracy,
-    response length, generation), `timing/...`, `perf/...` (throughput), `memory/...`,
-    `eval/...`. The trainer's parts compute under short names; the step row is renamed once,
-    here."""
-    if key in RENAMED:
-        return RENAMED[key]
-    for old, new in PREFIXED:
-        if key.startswith(old):
-            return new + key.removeprefix(old)
-    return key
-
-
-def peer_names(metrics: dict[str, float]) -> dict[str, float]:
-    return {peer_name(k): v for k, v in metrics.items()}
-
-
 CONSOLE_KEYS = (
     "rollout/reward/mean",
     "rollout/accuracy",
@@ -124,6 +86,7 @@ class MetricsLogger:
 
     def __init__(
         self,
+        *,
         output_dir: str | Path,
         total_steps: int,
         enabled: bool,

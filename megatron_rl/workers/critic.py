@@ -27,6 +27,7 @@ def token_values(head_output: torch.Tensor) -> torch.Tensor:
 class Critic(TrainableRole):
     def __init__(
         self,
+        *,
         arch: ModelArchitecture,
         layout: ParallelLayout,
         model_path: str | Path | None = None,
@@ -40,7 +41,13 @@ class Critic(TrainableRole):
         chunks = build_critic_chunks(arch, layout, precision, recompute=recompute)
         if model_path is not None:
             ModelSource(model_path).load_critic(chunks, arch)
-        super().__init__(arch, layout, chunks, precision, optim or OptimConfig(lr=2e-6))
+        super().__init__(
+            arch=arch,
+            layout=layout,
+            chunks=chunks,
+            precision=precision,
+            optim=optim or OptimConfig(lr=2e-6),
+        )
 
     def compute_values(
         self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None
@@ -64,5 +71,5 @@ class Critic(TrainableRole):
             global_token_count=tokens,
             global_seq_count=seqs,
         )
-        metrics["value_loss"] = loss
+        metrics["vf_loss"] = loss
         return loss, metrics

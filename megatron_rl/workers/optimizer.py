@@ -86,6 +86,7 @@ def resolve_lr_decay_steps(optim: OptimConfig, total_updates: int) -> OptimConfi
 def wrap_ddp_and_optimizer(chunks: list, optim: OptimConfig):
     """Wrap chunks in megatron DDP and build the optimizer and its learning-rate schedule;
     returns (ddp_chunks, optimizer, scheduler)."""
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -141,6 +142,7 @@ def lr_scheduler(optimizer, optim: OptimConfig):
     """megatron-core's OptimizerParamScheduler for `optim` (its lr_decay_steps resolved);
     `step(1)` after every optimizer update sets each param group's lr (and weight decay, times
     the group's `wd_mult`: none on biases and norms)."""
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     # megatron needs decay steps past the warm-up even where the style never decays.
@@ -165,6 +167,7 @@ def lr_scheduler(optimizer, optim: OptimConfig):
 
 def current_lr(optimizer) -> float:
     """The learning rate the schedule set for this update (megatron's canonical one)."""
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
     return get_canonical_lr_for_logging(optimizer.param_groups)

@@ -80,6 +80,7 @@ class ReferencePolicy(_LogProbs, MegatronRole):
 
     def __init__(
         self,
+        *,
         arch: ModelArchitecture,
         layout: ParallelLayout,
         model_path: str | Path | None = None,
@@ -89,7 +90,7 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         chunks = _policy_chunks(arch, layout, model_path, precision)
         for chunk in chunks:
             chunk.requires_grad_(False)
-        super().__init__(arch, layout, chunks, precision)
+        super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision)
         self.temperature = temperature
 
 
@@ -98,6 +99,7 @@ class Actor(_LogProbs, TrainableRole):
 
     def __init__(
         self,
+        *,
         arch: ModelArchitecture,
         layout: ParallelLayout,
         model_path: str | Path | None = None,
@@ -107,7 +109,7 @@ class Actor(_LogProbs, TrainableRole):
         temperature: float = 1.0,
     ):
         chunks = _policy_chunks(arch, layout, model_path, precision, recompute)
-        super().__init__(arch, layout, chunks, precision, optim)
+        super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision, optim=optim)
         self.temperature = temperature
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):

@@ -20,7 +20,7 @@ from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
 
 BATCH_SHARES = frozenset({
-    "pg_loss", "nll_loss", "kl_loss", "value_loss",
+    "pg_loss", "nll_loss", "kl_loss", "vf_loss",
     "entropy", "ppo_kl", "pg_clipfrac", "pg_clipfrac_low", "pg_clipfrac_high",
     "pg_clipfrac_lower", "vf_clipfrac",
 })  # fmt: skip
@@ -35,6 +35,7 @@ class MegatronRole:
 
     def __init__(
         self,
+        *,
         arch: ModelArchitecture,
         layout: ParallelLayout,
         chunks: list,
@@ -115,10 +116,18 @@ class TrainableRole(MegatronRole):
     is then exactly that of the global batch, however it is split.
     """
 
-    def __init__(self, arch, layout, chunks, precision=None, optim: OptimConfig | None = None):
+    def __init__(
+        self,
+        *,
+        arch: ModelArchitecture,
+        layout: ParallelLayout,
+        chunks: list,
+        precision: PrecisionConfig | None = None,
+        optim: OptimConfig | None = None,
+    ):
         self.optim = optim or OptimConfig()
         wrapped, self.optimizer, self.scheduler = wrap_ddp_and_optimizer(chunks, self.optim)
-        super().__init__(arch, layout, wrapped, precision)
+        super().__init__(arch=arch, layout=layout, chunks=wrapped, precision=precision)
         self.offloaded: set[str] = set()
 
     def offload(self, grads: bool = False, optimizer: bool = False, params: bool = False) -> None:
@@ -171,6 +180,7 @@ class TrainableRole(MegatronRole):
         whole DP-global batch, the same on every DP rank; the rest averaged over micro-batches.
         `max_tokens`: micro-batches by token budget instead of `num_microbatches` equal ones
         (`split_micro_batches`); the counts are the batch's, so the gradient is the same."""
+        # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
         from megatron.core import parallel_state
 
         self.restore_offloaded()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.parallel import distributed as platform
+from megatron_rl.parallel import distributed
 
 
 def run_schedule(
@@ -34,6 +34,7 @@ def run_schedule(
     `loss_fn(mb, output) -> tensor`, returns those tensors (last stage only).
     `output` is the last stage's model output: logits [b, s, V/tp] or values [b, s, 1].
     """
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -65,6 +66,7 @@ def run_schedule(
 def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.Tensor:
     """Concatenate the last stage's per-micro-batch outputs [b_i, s_i], each cut or
     zero-padded to shape[1] columns, and share the [B, S] result over the PP group."""
+    # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core import parallel_state
 
     if parallel_state.is_pipeline_last_stage():
@@ -78,7 +80,7 @@ def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.
             ]
         ).to(dtype)
     else:
-        out = torch.empty(shape, dtype=dtype, device=platform.device())
+        out = torch.empty(shape, dtype=dtype, device=distributed.device())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(
             out,

@@ -464,18 +464,6 @@ def test_explained_variance_of_a_split_batch_is_the_whole_batchs():
     assert math.isnan(per_part[0]) and per_part[1] != pytest.approx(whole.item(), abs=0.05)
 
 
-def test_value_pretraining_ends_at_the_mean_ev_of_its_last_five_steps():
-    from megatron_rl.algorithms.losses import settled_explained_variance
-
-    # one demo run's ten steps: the last step alone (0.25) reads as a weak critic
-    steps = [-0.08, 0.34, 0.15, 0.43, 0.30, 0.58, 0.37, 0.54, 0.13, 0.25]
-    assert settled_explained_variance(steps) == pytest.approx(0.374)
-    assert settled_explained_variance(steps[:2]) == pytest.approx(0.13)  # fewer steps ran
-    assert math.isnan(settled_explained_variance([0.5, None, 0.5]))  # NaN is logged as null
-    with pytest.raises(ValueError, match="no value-pretraining step"):
-        settled_explained_variance([])
-
-
 def test_gae_reports_the_lambda_each_sequence_used():
     b = random_batch(4)
     inputs = AdvantageInputs(b["scores"], b["response_mask"], b["values"])

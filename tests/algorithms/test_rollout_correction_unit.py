@@ -45,8 +45,8 @@ def test_token_tis_truncates_each_token_ratio_at_the_threshold():
     assert m["rollout_corr/kl"] == pytest.approx(-(0.1 - 0.2 + 1.5 + 0.05 - 3.0) / 5)
     k3 = sum(math.exp(x) - 1 - x for x in (0.1, -0.2, 1.5, 0.05, -3.0)) / 5
     assert m["rollout_corr/k3_kl"] == pytest.approx(k3)
-    assert m["logprob_gap_max"] == pytest.approx(3.0)
-    assert m["logprob_gap_mean"] == pytest.approx((0.1 + 0.2 + 1.5 + 0.05 + 3.0) / 5)
+    assert m["rollout/logprob_gap/max"] == pytest.approx(3.0)
+    assert m["rollout/logprob_gap/mean"] == pytest.approx((0.1 + 0.2 + 1.5 + 0.05 + 3.0) / 5)
 
 
 def test_sequence_tis_gives_every_token_of_a_sequence_its_product_of_ratios():

@@ -20,7 +20,7 @@ import os, sys, time, torch
 from megatron_rl.trainer import checkpoint
 out, point = sys.argv[1], sys.argv[2]
 torch.distributed.init_process_group("gloo", init_method="file://" + out + "/store", rank=0, world_size=1)
-m = checkpoint.CheckpointManager(out, 0, 1, keep_last=1)
+m = checkpoint.CheckpointManager(output_dir=out, rank=0, world_size=1, keep_last=1)
 m.save(1, lambda out: None, {"w": torch.ones(2)}, {"step": 1}, "")
 def stuck(real):
     def at_the_kill_point(*args, **kwargs):
@@ -45,7 +45,7 @@ def test_a_kill_during_save_loses_nothing_saved(point, tmp_path, world_of_one):
     assert proc.stdout.readline().strip() == "in"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    m = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    m = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=1)
     complete = [p.name for p in m.complete()]
     if point == "latest":  # step 2 was complete; `latest` still names step 1, which is kept
         assert complete == ["step_000001", "step_000002"]

@@ -61,7 +61,8 @@ def test_raising_and_nan_functions_get_the_failure_reward_and_are_counted():
     assert out.errors["python"] == [None, "reward 'python': RuntimeError: odd response"]
     assert out.errors["nan"] == ["reward 'nan': returned nan"] * 2
     metrics = check_failure_ratio([out], max_failure_ratio=1.0)
-    assert metrics["reward/python/failures"] == 1.0 and metrics["reward/nan/failure_ratio"] == 1.0
+    assert metrics["rollout/reward/python/failures"] == 1.0
+    assert metrics["rollout/reward/nan/failure_ratio"] == 1.0
     with pytest.raises(RewardFailureError, match=r"'nan' failed on 2/2 samples .* returned nan"):
         check_failure_ratio([out], max_failure_ratio=0.5)
 

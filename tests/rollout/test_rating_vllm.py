@@ -129,7 +129,7 @@ def test_reward_failures_are_contained_until_the_ratio_is_exceeded(dataset, engi
     out = rollout(dataset, engine, pool, tokenizer, 4, max_failure_ratio=1.0)
     failed = [s for s in out.samples if len(s.response) % 2]
     assert failed and all(s.reward == -5.0 for s in failed)
-    assert out.metrics["reward/python/failures"] == len(failed)
+    assert out.metrics["rollout/reward/python/failures"] == len(failed)
     with pytest.raises(
         RewardFailureError, match=r"'python' failed on \d+/16 samples .*odd response"
     ):
@@ -163,7 +163,7 @@ def test_ray_pool_overlaps_scoring_and_matches_inline(engine, dataset, tokenizer
         ]
 
     assert flat(inline) == flat(ray_run) and len(inline.groups) == 6
-    for key in ("rollout/num_chunks", "rollout/groups_dropped", "reward/mean"):
+    for key in ("rollout/num_chunks", "rollout/groups_dropped", "rollout/reward/mean"):
         assert inline.metrics[key] == ray_run.metrics[key]
 
     def spans(run, kind):

@@ -90,13 +90,13 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
         local, result["balance"] = balance_over_data_parallel(local)
         result["input_ids"] = local.input_ids
 
-    actor = Actor(arch, layout, hf_dir)
+    actor = Actor(arch=arch, layout=layout, model_path=hf_dir)
     for loss_name, cfg in LOSSES.items():
         result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
     result["logprobs"] = actor.compute_logprobs(local, **split)
 
-    critic = Critic(arch, layout, hf_dir)
+    critic = Critic(arch=arch, layout=layout, model_path=hf_dir)
     result["values"] = critic.compute_values(local, **split)
     result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))

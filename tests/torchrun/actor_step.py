@@ -36,9 +36,9 @@ def main():
     batch = global_batch(arch.vocab_size)
     optim = OptimConfig(lr=1e-3, weight_decay=0.0)
 
-    actor = Actor(arch, layout, a.hf_dir, optim=optim)
-    reference = ReferencePolicy(arch, layout, a.hf_dir)
-    critic = Critic(arch, layout, a.hf_dir, optim=optim)
+    actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
+    reference = ReferencePolicy(arch=arch, layout=layout, model_path=a.hf_dir)
+    critic = Critic(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
     actor_before, ref_before = snapshot(actor.chunks, arch), snapshot(reference.chunks, arch)
     critic_before = snapshot(critic.chunks, arch)
     ref_logprobs = reference.compute_logprobs(batch)

@@ -53,8 +53,8 @@ def main():
     batch = global_batch(arch.vocab_size)
     batch = batch.with_fields(ref_logprobs=batch.old_logprobs)
     optim = OptimConfig(lr=1e-3, weight_decay=0.01)
-    actor = Actor(arch, layout, a.hf_dir, optim=optim)
-    critic = Critic(arch, layout, a.hf_dir, optim=optim)
+    actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
+    critic = Critic(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
     roles = {"actor": actor, "critic": critic}
     policy, value = PolicyLossConfig(nll_coef=0.1), ValueLossConfig()
     if a.load:
@@ -75,7 +75,7 @@ def main():
         "after": {"actor": full(actor), "critic": full(critic)},
     }
     if not a.load:  # the same weights with fresh Adam state
-        fresh = Actor(arch, layout, None, optim=optim)
+        fresh = Actor(arch=arch, layout=layout, model_path=None, optim=optim)
         load_role(fresh.chunks, None, a.ckpt / "actor")
         fresh.update(batch, policy, 2)
         result["model_only_after"] = full(fresh)

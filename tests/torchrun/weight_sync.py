@@ -38,7 +38,9 @@ def main():
     arch = read_hf_config(a.hf_dir)
     layout = LAYOUTS[a.layout]
     ctx = distributed.initialize(layout, arch=arch)
-    actor = Actor(arch, layout, a.hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
+    actor = Actor(
+        arch=arch, layout=layout, model_path=a.hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0)
+    )
     engine = VLLMEngine(
         a.hf_dir,
         EngineConfig(max_model_len=256, external_launcher=True, tensor_parallel_size=a.vllm_tp),

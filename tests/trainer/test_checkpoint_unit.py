@@ -38,9 +38,9 @@ def names(root):
 def test_pruning_keeps_the_newest_of_this_run_and_never_a_later_one(tmp_path):
     # An earlier, longer run left step_000050 (complete): it is not this run's to prune, and
     # the new checkpoints must survive (the old rule kept the highest-numbered ones).
-    earlier = CheckpointManager(tmp_path, 0, 1, keep_last=1)
+    earlier = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=1)
     save(earlier, 50)
-    manager = CheckpointManager(tmp_path, 0, 1, keep_last=2)
+    manager = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=2)
     for step in (1, 2, 3):
         save(manager, step)
     root = tmp_path / "checkpoints"
@@ -50,7 +50,7 @@ def test_pruning_keeps_the_newest_of_this_run_and_never_a_later_one(tmp_path):
 
 def test_keep_last_below_one_is_refused_before_anything_is_deleted(tmp_path):
     with pytest.raises(ValueError, match="keep_last must be >= 1, got 0"):
-        CheckpointManager(tmp_path, 0, 1, keep_last=0)
+        CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=0)
     with pytest.raises(ValueError, match=r"config section trainer: keep_last must be >= 1, got -1"):
         load_config("examples/tiny/vapo.yaml", ["trainer.keep_last=-1"])
     for bad, message in [
@@ -64,7 +64,7 @@ def test_keep_last_below_one_is_refused_before_anything_is_deleted(tmp_path):
 
 
 def test_latest_naming_a_missing_checkpoint_falls_back_to_the_newest_complete(tmp_path, capsys):
-    manager = CheckpointManager(tmp_path, 0, 1, keep_last=5)
+    manager = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=5)
     for step in (1, 2):
         save(manager, step)
     root = tmp_path / "checkpoints"
@@ -77,7 +77,7 @@ def test_latest_naming_a_missing_checkpoint_falls_back_to_the_newest_complete(tm
 
 
 def test_an_unreadable_rank_file_is_named_and_set_aside(tmp_path):
-    manager = CheckpointManager(tmp_path, 0, 1, keep_last=5)
+    manager = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, keep_last=5)
     first, second = save(manager, 1, 1.0), save(manager, 2, 2.0)
     shard = second / "rng" / "rank_00000.pt"
     shard.write_bytes(shard.read_bytes()[:20])
@@ -95,26 +95,28 @@ def test_at_another_layout_the_rng_states_are_not_restored(tmp_path, capsys):
     """The roles reshard (tests/trainer/test_reshard_distributed.py); the per-rank RNG
     states cannot, and the resume says so."""
     tp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
-    path = save(CheckpointManager(tmp_path, 0, 1, layout=tp2), 1, 3.0)
+    path = save(CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, layout=tp2), 1, 3.0)
     assert json.loads((path / "trainer_state.json").read_text())["layout"] == tp2
     pp2 = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2}
-    rng, trainer_state = CheckpointManager(tmp_path, 0, 1, layout=pp2).load(path)
+    rng, trainer_state = CheckpointManager(
+        output_dir=tmp_path, rank=0, world_size=1, layout=pp2
+    ).load(path)
     assert rng is None and trainer_state["step"] == 1
     assert "weights and optimizer state reshard" in capsys.readouterr().out
-    rng, _ = CheckpointManager(tmp_path, 0, 1, layout=tp2).load(path)
+    rng, _ = CheckpointManager(output_dir=tmp_path, rank=0, world_size=1, layout=tp2).load(path)
     assert torch.equal(rng["w"], torch.full((2,), 3.0))
 
 
 def test_a_checkpoint_of_the_old_per_rank_format_is_refused_by_name(tmp_path):
-    path = save(CheckpointManager(tmp_path, 0, 1), 1)
+    path = save(CheckpointManager(output_dir=tmp_path, rank=0, world_size=1), 1)
     (path / "rank_00000.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"step_000001: per-rank torch files \(rank_\*.pt\)"):
-        CheckpointManager(tmp_path, 0, 1).load(path)
+        CheckpointManager(output_dir=tmp_path, rank=0, world_size=1).load(path)
 
 
 def test_an_earlier_run_is_found_and_cleared_whole(tmp_path):
     assert previous_run_files(tmp_path) == []
-    save(CheckpointManager(tmp_path, 0, 1), 4)
+    save(CheckpointManager(output_dir=tmp_path, rank=0, world_size=1), 4)
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "tensorboard").mkdir()
     found = previous_run_files(tmp_path)
@@ -134,7 +136,7 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
     ]
     assert [row_position(r) for r in rows] == [(0, 1), (0, 2), (1, 0.5), (1, 1), (1, 2), (1, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True)
+    logger = MetricsLogger(output_dir=tmp_path, total_steps=3, enabled=True)
     assert logger.rewind((1, 1)) == 2  # resumed after PPO step 1: steps 2 and 3 are redone
     logger.log(2, {"reward/mean": 0.5})
     logger.close()
@@ -146,7 +148,7 @@ def test_a_resume_drops_the_metrics_rows_of_the_steps_it_redoes(tmp_path):
         ("train", 1),
         ("train", 2),
     ]
-    logger = MetricsLogger(tmp_path, total_steps=3, enabled=True)
+    logger = MetricsLogger(output_dir=tmp_path, total_steps=3, enabled=True)
     assert logger.rewind((1, 0)) == 3  # resumed at step 0: the step-0 eval runs again
     logger.close()
 

@@ -60,3 +60,72 @@ def test_sums_from_two_ranks_add_up_to_the_summary_of_all_prompts():
     assert whole["pass@4"] == pytest.approx(3 / 4)  # prompts with any correct sample
     assert whole["reward_mean"] == pytest.approx(2 * 7 / 16 - 1)
     assert whole["response_length/mean"] == pytest.approx(7.5)
+
+
+class _Engine:
+    """Two samples per prompt: the response is the prompt's ids, then `n` more tokens."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, sampling, seeds=None):
+        from megatron_rl.rollout.vllm_engine import Sample
+
+        self.calls.append((len(prompts), seeds))
+        return [
+            Sample(i, j, ids, [7] * (j + 1), [0.0] * (j + 1), "stop")
+            for i, ids in enumerate(prompts)
+            for j in range(sampling.n)
+        ]
+
+    def reset_prefix_cache(self):
+        pass
+
+
+class _Pool:
+    """Scores 1 when the response names the label, else 0."""
+
+    def submit(self, inputs):
+        return inputs
+
+    def result(self, inputs):
+        from types import SimpleNamespace
+
+        rewards = [float(x.label in x.response) for x in inputs]
+        return SimpleNamespace(scored=SimpleNamespace(rewards=rewards))
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["seven" if len(x) == 1 else "eight" for x in ids]
+
+
+def test_the_evaluator_scores_each_prompts_samples_with_that_prompts_label(monkeypatch):
+    """Reward inputs come from the rollout's `reward_inputs`: each sample with its own
+    prompt's label, also across the engine calls a set is split into."""
+    from types import SimpleNamespace
+
+    from megatron_rl.config import EvalSetConfig
+    from megatron_rl.trainer import evaluation
+    from megatron_rl.trainer.evaluation import Evaluator
+
+    monkeypatch.setattr(evaluation, "data_parallel_sum", lambda t: t)  # one rank, no group
+
+    prompts = [
+        SimpleNamespace(prompt=f"p{i}", prompt_text=f"p{i}", label=label, prompt_token_ids=[i])
+        for i, label in enumerate(["seven", "eight", "nine"])  # the last: in the second call
+    ]
+    spec = EvalSetConfig(path="x.jsonl", name="s", n=2, temperature=1.0, pass_k=(1, 2))
+    engine = _Engine()
+    evaluator = Evaluator(
+        sets=[(spec, prompts)], engine=engine, pool=_Pool(), tokenizer=_Tokenizer(), seed=0,
+        dp_rank=0, dp_size=1, device=torch.device("cpu"), max_new_tokens=8, max_sequences=4,
+    )  # fmt: skip
+    metrics, rows = evaluator.evaluate(step=3)
+    assert [n for n, _ in engine.calls] == [2, 1]  # 4 sequences at a time: 2 prompts x n 2
+    assert metrics["eval/s/avg@2"] == metrics["eval/accuracy"] == pytest.approx(1 / 3)
+    assert metrics["eval/s/pass@2"] == pytest.approx(2 / 3)
+    assert rows == [{"set": "s", "n": 2, "temperature": 1.0, **{
+        "prompts": 3, "avg@2": pytest.approx(1 / 3), "pass@1": pytest.approx(1 / 3),
+        "pass@2": pytest.approx(2 / 3), "reward_mean": pytest.approx(1 / 3),
+        "response_length/mean": 1.5}}]  # fmt: skip

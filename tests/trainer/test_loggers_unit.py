@@ -53,7 +53,7 @@ def logged(tmp_path_factory):
         config=CONFIG,
         step_offset=2,
     )
-    logger = MetricsLogger(out, total_steps=2, enabled=True, settings=settings)
+    logger = MetricsLogger(output_dir=out, total_steps=2, enabled=True, settings=settings)
     for step, metrics, stage in ROWS:
         logger.log(step, metrics, stage)
     logger.close()
@@ -140,7 +140,7 @@ def test_mlflow_local_store_holds_metrics_params_and_the_config(logged, tmp_path
 
 
 def test_console_prints_a_summary_table_at_the_end(tmp_path, capsys):
-    logger = MetricsLogger(tmp_path, total_steps=2, enabled=True)
+    logger = MetricsLogger(output_dir=tmp_path, total_steps=2, enabled=True)
     for step, metrics, stage in ROWS:
         logger.log(step, metrics, stage)
     logger.close()
@@ -154,20 +154,9 @@ def test_console_prints_a_summary_table_at_the_end(tmp_path, capsys):
 def test_a_logger_whose_package_is_missing_is_named(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RuntimeError, match=r"trainer.logger 'wandb': wandb is not installed"):
-        MetricsLogger(tmp_path, 2, True, LoggerConfig(loggers=("console", "wandb")))
-
-
-def test_step_metrics_take_the_peers_names_and_unknown_ones_pass_unchanged():
-    from megatron_rl.trainer.metrics import peer_names
-
-    row = {
-        "pg_loss": 1.0, "critic/explained_variance": 0.5, "critic/value_loss": 0.2,
-        "reward/math/mean": 0.3, "response_length/mean": 9.0, "accuracy": 0.4,
-        "tokens_per_s": 900.0, "timing/step_s": 2.0, "rollout_corr/kl": 0.0, "eval/accuracy": 0.5,
-    }  # fmt: skip
-    assert peer_names(row) == {
-        "actor/pg_loss": 1.0, "critic/vf_explained_var": 0.5, "critic/vf_loss": 0.2,
-        "rollout/reward/math/mean": 0.3, "rollout/response_length/mean": 9.0,
-        "rollout/accuracy": 0.4, "perf/tokens_per_s": 900.0, "timing/step_s": 2.0,
-        "rollout_corr/kl": 0.0, "eval/accuracy": 0.5,
-    }  # fmt: skip
+        MetricsLogger(
+            output_dir=tmp_path,
+            total_steps=2,
+            enabled=True,
+            settings=LoggerConfig(loggers=("console", "wandb")),
+        )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rl.trainer.runner import NonFiniteUpdates, nonfinite_streak
+from megatron_rl.trainer.updates import NonFiniteUpdates, nonfinite_streak
 
 OK = {"skipped_nonfinite": 0.0}
 SKIPPED = {"skipped_nonfinite": 1.0}

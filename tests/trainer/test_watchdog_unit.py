@@ -59,7 +59,7 @@ def test_the_summary_groups_ranks_by_the_collective_they_wait_in():
 
 
 def test_an_error_inside_a_phase_carries_the_phase_once():
-    dog = Watchdog(None, rank=0, world_size=1)  # no timer, no store
+    dog = Watchdog(timeout_s=None, rank=0, world_size=1)  # no timer, no store
     with pytest.raises(RuntimeError) as raised, dog.watch("train step 7"), dog.phase("sync"):
         raise RuntimeError("Timed out waiting 30000ms for recv operation to complete")
     assert raised.value.__notes__ == ["megatron_rl watchdog: rank 0 was in train step 7 / sync"]

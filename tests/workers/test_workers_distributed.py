@@ -91,7 +91,11 @@ def test_balancing_re_deals_whole_rows_and_evens_the_ranks_tokens(results, tiny_
     assert got == sorted(map(tuple, batch.input_ids.tolist()))  # every row once, intact
     metrics = ranks[0]["balance"]
     assert metrics == ranks[1]["balance"]
-    assert 1 <= metrics["dp_tokens_max_over_mean"] < metrics["dp_tokens_max_over_mean_before"]
+    assert (
+        1
+        <= metrics["perf/dp_tokens_max_over_mean"]
+        < metrics["perf/dp_tokens_max_over_mean_before"]
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -103,7 +107,7 @@ def test_logged_losses_are_the_global_batchs_whatever_the_split(results, layout)
     for loss, keys in {
         "token-mean+nll": ["pg_loss", "nll_loss", "entropy", "ppo_kl"],
         "entropy+kl": ["pg_loss", "kl_loss", "entropy"],
-        "critic": ["value_loss"],
+        "critic": ["vf_loss"],
     }.items():
         for key in keys:
             assert abs(reference[loss][key]) > 1e-3, (loss, key)  # not a trivial zero
