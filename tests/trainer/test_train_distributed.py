@@ -20,6 +20,7 @@ from tests.trainer.runs import (
     finite,
     metrics,
     train,
+    value_pretrain,
     write_labelled_prompts,
 )
 
@@ -213,6 +214,46 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     assert (resumed / "eval.jsonl").read_text() == (vapo_run / "eval.jsonl").read_text()
     assert len(metrics(resumed, "value_pretrain")) == 4
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
+
+
+def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
+    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
+    """The newest checkpoint is the one that ends value pretraining: the actor, frozen until
+    then, has an optimizer that never stepped. It loads back unstepped (it was once called
+    unreadable and set aside), and the four PPO steps are those of the uninterrupted run."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(vapo_run, resumed)
+    root = resumed / "checkpoints"
+    for progress in range(5, 9):
+        shutil.rmtree(root / f"step_{progress:06d}")
+    (root / "latest").write_text("step_000004")
+    result = train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
+    assert "unreadable" not in result.output and "cannot be read" not in result.output
+    assert f"resumed from {root / 'step_000004'} (step 0)" in result.output
+    expected = [measured(r) for r in metrics(vapo_run)]
+    assert [measured(r) for r in metrics(resumed)] == expected
+    assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
+    assert same_weights(checkpoint(resumed, 8)["critic"], checkpoint(vapo_run, 8)["critic"])
+
+
+def test_train_continues_from_the_value_pretraining_cli(tiny_model_dir, labelled_prompts, tmp_path):
+    """The documented two-stage flow: `cli.value_pretrain` alone, then `cli.train` with the
+    same output_dir resumes from its checkpoint (the actor's optimizer never stepped)."""
+    out = tmp_path / "two_stage"
+    overrides = [
+        *SMALL_VAPO,
+        f"model.path={tiny_model_dir}",
+        f"data.path={labelled_prompts}",
+        LABEL_REWARD,
+        "critic.pretrain_steps=2",
+    ]
+    value_pretrain("vapo", out, *overrides)
+    result = train("vapo", out, *overrides, "trainer.resume=true", "trainer.total_steps=1")
+    assert "unreadable" not in result.output and "cannot be read" not in result.output
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} (step 0)" in result.output
+    assert [r["step"] for r in metrics(out, "value_pretrain")] == [1, 2]
+    assert [r["step"] for r in metrics(out)] == [1]
 
 
 def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_model_dir, tmp_path):
