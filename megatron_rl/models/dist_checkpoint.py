@@ -174,7 +174,8 @@ def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> No
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
-    saved_optimizer = optimizer if _holds_optimizer_state(model_dir) else None
+    has_state = optimizer is not None and _holds_optimizer_state(model_dir)
+    saved_optimizer = optimizer if has_state else None
     sharded = _sharded_state(chunks, saved_optimizer, True)
     for chunk_state in sharded["model"].values():
         for name in skip:
