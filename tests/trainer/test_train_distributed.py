@@ -219,41 +219,30 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
 def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
-    """The newest checkpoint is the one that ends value pretraining: the actor, frozen until
-    then, has an optimizer that never stepped. It loads back unstepped (it was once called
-    unreadable and set aside), and the four PPO steps are those of the uninterrupted run."""
+    """The newest checkpoint is the one that ends value pretraining, as
+    `megatron_rl.cli.value_pretrain` leaves it: the actor, frozen until then, has an optimizer
+    that never stepped. It loads back unstepped (it was once called unreadable and set aside,
+    and the Adam moments made to load into failed the actor's first step with KeyError
+    'step'): `cli.value_pretrain` again finds its work done, and `cli.train` resumes from it
+    with the four PPO steps of the uninterrupted run."""
     resumed = tmp_path / "resumed"
     shutil.copytree(vapo_run, resumed)
     root = resumed / "checkpoints"
     for progress in range(5, 9):
         shutil.rmtree(root / f"step_{progress:06d}")
     (root / "latest").write_text("step_000004")
-    result = train("vapo", resumed, *vapo_overrides(tiny_model_dir, labelled_prompts))
-    assert "unreadable" not in result.output and "cannot be read" not in result.output
+    overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
+    again = value_pretrain("vapo", resumed, *overrides)
+    assert "value pretraining already done in this output_dir" in again.output
+    result = train("vapo", resumed, *overrides)
+    for output in (again.output, result.output):
+        assert "unreadable" not in output and "cannot be read" not in output
     assert f"resumed from {root / 'step_000004'} (step 0)" in result.output
+    assert len(metrics(resumed, "value_pretrain")) == 4
     expected = [measured(r) for r in metrics(vapo_run)]
     assert [measured(r) for r in metrics(resumed)] == expected
-    assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
-    assert same_weights(checkpoint(resumed, 8)["critic"], checkpoint(vapo_run, 8)["critic"])
-
-
-def test_train_continues_from_the_value_pretraining_cli(tiny_model_dir, labelled_prompts, tmp_path):
-    """The documented two-stage flow: `cli.value_pretrain` alone, then `cli.train` with the
-    same output_dir resumes from its checkpoint (the actor's optimizer never stepped)."""
-    out = tmp_path / "two_stage"
-    overrides = [
-        *SMALL_VAPO,
-        f"model.path={tiny_model_dir}",
-        f"data.path={labelled_prompts}",
-        LABEL_REWARD,
-        "critic.pretrain_steps=2",
-    ]
-    value_pretrain("vapo", out, *overrides)
-    result = train("vapo", out, *overrides, "trainer.resume=true", "trainer.total_steps=1")
-    assert "unreadable" not in result.output and "cannot be read" not in result.output
-    assert f"resumed from {out / 'checkpoints' / 'step_000002'} (step 0)" in result.output
-    assert [r["step"] for r in metrics(out, "value_pretrain")] == [1, 2]
-    assert [r["step"] for r in metrics(out)] == [1]
+    for role in ("actor", "critic"):
+        assert same_weights(checkpoint(resumed, 8)[role], checkpoint(vapo_run, 8)[role])
 
 
 def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_model_dir, tmp_path):
