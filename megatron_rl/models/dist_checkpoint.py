@@ -5,7 +5,9 @@ exportable with `checkpoints_convert.megatron_to_hf`.
 
     <dir>/megatron_rl.json   role, architecture, the layout it was saved at
     <dir>/model/             torch_dist files: the model's sharded tensors, and the
-                             optimizer's (Adam moments, step) keyed by the same parameters
+                             optimizer's (Adam moments, step) keyed by the same parameters;
+                             none for an optimizer that has not stepped (a policy frozen
+                             through value pretraining), which loads back as unstepped
     <dir>/hf_meta/           the Hugging Face source's config, generation config, tokenizer
 
 Every rank calls `save_role` / `load_role` (they are collectives). A script that saves must
@@ -101,8 +103,40 @@ def _start_writer_queue() -> None:
         filesystem_async._results_queue = manager.Queue()
 
 
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside megatron's (one, or one per chained optimizer)."""
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def has_stepped(optimizer) -> bool:
+    """Whether the optimizer holds state, which torch's Adam creates at its first step."""
+    return any(len(inner.state) > 0 for inner in _inner_optimizers(optimizer))
+
+
+def reset_to_unstepped(optimizer) -> None:
+    """No Adam state, and master weights (bf16 training) copied from the model's: the
+    optimizer as built, around the model's current weights."""
+    for inner in _inner_optimizers(optimizer):
+        inner.state.clear()
+    optimizer.reload_model_params()
+
+
+def _holds_optimizer_state(model_dir: Path) -> bool:
+    """Whether a checkpoint holds optimizer tensors (keyed `optimizer.…`, beside `chunk<i>.…`)."""
+    # why: megatron-core takes seconds to import: loaded on first use
+    from megatron.core import dist_checkpointing
+
+    return any(
+        key.startswith("optimizer.")
+        for key in dist_checkpointing.load_tensors_metadata(str(model_dir))
+    )
+
+
 def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
-    """Write this rank's shards of the model (and optimizer) under `ckpt_dir/model`."""
+    """Write this rank's shards of the model (and optimizer) under `ckpt_dir/model`. An
+    optimizer that has not stepped has no state to write: the model alone is saved (megatron
+    would write its param groups, and its load would then look for Adam moments that were
+    never created)."""
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
@@ -111,28 +145,50 @@ def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
     if torch.distributed.get_rank() == 0:
         model_dir.mkdir(parents=True)
     torch.distributed.barrier()
+    # Every rank steps together, so every rank makes the same choice (save is a collective).
+    if optimizer is not None and not has_stepped(optimizer):
+        optimizer = None
     dist_checkpointing.save(_sharded_state(chunks, optimizer, False), str(model_dir))
 
 
 def load_role(chunks: list, optimizer, ckpt_dir: Path, skip: tuple[str, ...] = ()) -> None:
     """Load the model (and, given an optimizer, its state) at this run's layout. Parameters
-    named in `skip` keep their values (a critic started from a policy: its value head)."""
+    named in `skip` keep their values (a critic started from a policy: its value head). A
+    checkpoint without optimizer state (saved before the optimizer's first step) leaves the
+    optimizer unstepped, as it was saved. On failure the optimizer is as it was before: the
+    Adam moments megatron creates to load into do not linger without the step count torch's
+    Adam needs with them (its next step would fail with KeyError 'step')."""
+    if skip and optimizer is not None:
+        raise ValueError("load_role: skip is for model-only loads (no optimizer state)")
+    model_dir = Path(ckpt_dir) / MODEL_SUBDIR
+    unstepped = optimizer is not None and not has_stepped(optimizer)
+    try:
+        _load(chunks, optimizer, model_dir, skip)
+    except BaseException:
+        if unstepped:  # megatron created Adam moments to load into: drop them
+            reset_to_unstepped(optimizer)
+        raise
+
+
+def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> None:
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
-    sharded = _sharded_state(chunks, optimizer, True)
-    if skip and optimizer is not None:
-        raise ValueError("load_role: skip is for model-only loads (no optimizer state)")
+    has_state = optimizer is not None and _holds_optimizer_state(model_dir)
+    saved_optimizer = optimizer if has_state else None
+    sharded = _sharded_state(chunks, saved_optimizer, True)
     for chunk_state in sharded["model"].values():
         for name in skip:
             chunk_state.pop(name, None)
-    state = dist_checkpointing.load(sharded, str(Path(ckpt_dir) / MODEL_SUBDIR))
+    state = dist_checkpointing.load(sharded, str(model_dir))
     for i, module in enumerate(_modules(chunks)):
         result = module.load_state_dict(state["model"][f"chunk{i}"], strict=not skip)
         if skip and (result.unexpected_keys or set(result.missing_keys) - set(skip)):
             raise ValueError(
-                f"{ckpt_dir}: loading chunk {i} left {result.missing_keys} unset and "
+                f"{model_dir.parent}: loading chunk {i} left {result.missing_keys} unset and "
                 f"{result.unexpected_keys} unused (only {list(skip)} may be skipped)"
             )
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    if saved_optimizer is not None:
+        saved_optimizer.load_state_dict(state["optimizer"])
+    elif optimizer is not None:  # saved before its first step: it stays unstepped
+        reset_to_unstepped(optimizer)

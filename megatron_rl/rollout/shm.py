@@ -16,6 +16,8 @@ import socket
 from pathlib import Path
 
 SHM_DIR = "/dev/shm/"
+PYTHON_SHM = SHM_DIR + "psm_"
+"""Where `multiprocessing.shared_memory.SharedMemory` names its segments."""
 
 
 def mapped_shm_files(maps: str = "/proc/self/maps") -> list[str]:
@@ -65,13 +67,20 @@ class ShmRecord:
         tmp.replace(self.path)
 
     def clean_up(self) -> None:
-        """After the engine shut down: unlink what it left, forget the record."""
+        """After the engine shut down: unlink what it left, forget the record. A Python
+        `SharedMemory` segment (`psm_*`) this process still maps is left to its owner: vLLM's
+        `ShmRingBuffer` unlinks its own when released (and Python's resource tracker at exit
+        if it never is); unlinked first, the owner's `__del__` fails at exit with
+        FileNotFoundError and the tracker warns of a leak. It is still released when an error
+        ends the run: the exception's traceback holds the engine past this clean-up."""
         try:
             files = json.loads(self.path.read_text()).get("files", [])
         except (OSError, ValueError):
             return
+        held = {f for f in mapped_shm_files() if f.startswith(PYTHON_SHM)}
         for f in files:
-            _unlink(f)
+            if f not in held:
+                _unlink(f)
         self.path.unlink(missing_ok=True)
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 from megatron_rl.rollout.shm import ShmRecord, mapped_shm_files
 
@@ -54,6 +54,14 @@ def test_a_live_runs_files_are_kept_and_cleaned_up_on_exit(tmp_path):
     record.write()
     assert json.loads(record.path.read_text())["files"] == mapped_shm_files()
     assert record.remove_stale() == [] and os.path.exists(path)  # our own pid is alive
+    held = shared_memory.SharedMemory(create=True, size=4096)  # its owner still alive
+    record.write()
+    mine.close()  # released, not unlinked: ours to remove
+    resource_tracker.unregister(mine._name, "shared_memory")  # no tracker unlinks it after us
     record.clean_up()
     assert not os.path.exists(path) and not record.path.exists()
-    mine.close()
+    try:  # left to its owner, whose unlink would otherwise fail at exit
+        assert os.path.exists(f"/dev/shm/{held.name}")
+    finally:
+        held.close()
+        held.unlink()

@@ -35,6 +35,12 @@ def train(recipe: str, out: Path, *overrides: str, timeout: float = 400, **torch
     return run_torchrun("megatron_rl.cli.train", args, timeout=timeout, **torchrun)
 
 
+def value_pretrain(recipe: str, out: Path, *overrides: str, timeout: float = 400):
+    """`megatron_rl.cli.value_pretrain` (value pretraining alone) on a tiny recipe."""
+    args = ["--config", f"examples/tiny/{recipe}.yaml", f"trainer.output_dir={out}", *overrides]
+    return run_torchrun("megatron_rl.cli.value_pretrain", args, timeout=timeout)
+
+
 def train_until_sigterm(recipe: str, out: Path, *overrides: str, after_steps: int) -> str:
     """Start a run as the sbatch script does (`megatron_rl.launch`); once `after_steps` PPO
     steps are logged, SIGTERM every process of it, helpers included (as SLURM's `scancel`

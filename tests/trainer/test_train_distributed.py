@@ -20,6 +20,7 @@ from tests.trainer.runs import (
     finite,
     metrics,
     train,
+    value_pretrain,
     write_labelled_prompts,
 )
 
@@ -213,6 +214,35 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     assert (resumed / "eval.jsonl").read_text() == (vapo_run / "eval.jsonl").read_text()
     assert len(metrics(resumed, "value_pretrain")) == 4
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
+
+
+def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
+    vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
+    """The newest checkpoint is the one that ends value pretraining, as
+    `megatron_rl.cli.value_pretrain` leaves it: the actor, frozen until then, has an optimizer
+    that never stepped. It loads back unstepped (it was once called unreadable and set aside,
+    and the Adam moments made to load into failed the actor's first step with KeyError
+    'step'): `cli.value_pretrain` again finds its work done, and `cli.train` resumes from it
+    with the four PPO steps of the uninterrupted run."""
+    resumed = tmp_path / "resumed"
+    shutil.copytree(vapo_run, resumed)
+    root = resumed / "checkpoints"
+    for progress in range(5, 9):
+        shutil.rmtree(root / f"step_{progress:06d}")
+    (root / "latest").write_text("step_000004")
+    overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
+    again = value_pretrain("vapo", resumed, *overrides)
+    assert "value pretraining already done in this output_dir" in again.output
+    result = train("vapo", resumed, *overrides)
+    for output in (again.output, result.output):
+        assert "unreadable" not in output and "cannot be read" not in output
+    assert f"resumed from {root / 'step_000004'} (step 0)" in result.output
+    assert len(metrics(resumed, "value_pretrain")) == 4
+    expected = [measured(r) for r in metrics(vapo_run)]
+    assert [measured(r) for r in metrics(resumed)] == expected
+    for role in ("actor", "critic"):
+        assert same_weights(checkpoint(resumed, 8)[role], checkpoint(vapo_run, 8)[role])
 
 
 def test_a_new_run_refuses_an_output_dir_with_an_earlier_run(vapo_run, tiny_model_dir, tmp_path):
