@@ -216,6 +216,7 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
 
 
+@pytest.mark.e2e  # two CLIs after the shared run: ~3.5 min, the journeys' tier
 def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
