@@ -8,9 +8,12 @@ container runtime's stop, SLURM's `--signal=B:...`, `kill`) becomes a stop reque
 training workers (`megatron_rl.preemption`: a stop file, not a signal, so a worker still
 starting up cannot die of it): they finish the step, save a checkpoint and exit 0, so
 torchrun and this launcher exit 0 too. torchrun signalled itself would stop its workers
-with a SIGKILL after its shutdown timeout (30 s by default) and exit 1; its
-`--shutdown-timeout` defaults here to `SHUTDOWN_TIMEOUT_S`, so a scheduler that signals
-every process still leaves time to save.
+with a SIGKILL after its shutdown timeout (30 s by default) and exit 1; here that timeout
+defaults to `SHUTDOWN_TIMEOUT_S` (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` in torchrun's environment,
+unless it is set or `--shutdown-timeout` is given), so a scheduler that signals every
+process still leaves time to save. torch 2.11 has no such setting (its torchrun refuses
+`--shutdown-timeout` and waits 30 s: seen on the GPU machine, bench/gpu.md), which is why it
+travels in the environment: such versions ignore it instead of failing.
 
 `run_torchrun` is used by the tests and the demo. On a timeout the whole process tree is
 killed: torchrun starts each worker in a session of its own, so killing torchrun's process
@@ -38,6 +41,8 @@ from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
 SHUTDOWN_TIMEOUT_S = 900
 """torchrun's wait between SIGTERM and SIGKILL of its workers: a step and a save of a large run."""
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""Read by torchrun (torch 2.13; not 2.11) when `--shutdown-timeout` is not given (torch/distributed/launcher/api.py)."""
 
 
 class TorchrunError(RuntimeError):
@@ -155,9 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in STOP_SIGNALS:  # first, so that no signal from now on is lost
         signal.signal(sig, on_signal)
     args = list(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith(("--shutdown-timeout", "--shutdown_timeout")) for a in args):
-        args.insert(0, f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
     env = {**os.environ, STOP_FILE_ENV: str(path)}
+    env.setdefault(SHUTDOWN_TIMEOUT_ENV, str(SHUTDOWN_TIMEOUT_S))
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env)
     try:
         while True:

@@ -10,7 +10,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.launch import TorchrunError, free_port, kill_tree, run_torchrun
+from megatron_rl.launch import (
+    SHUTDOWN_TIMEOUT_S,
+    TorchrunError,
+    free_port,
+    kill_tree,
+    run_torchrun,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -35,7 +41,8 @@ def test_hung_job_is_killed_at_the_timeout():
 def test_a_signal_to_the_launcher_before_its_workers_exist_is_honoured_by_them():
     """SIGUSR1 to `megatron_rl.launch` as soon as it has started torchrun (whose workers do
     not exist yet): the request waits in the stop file, the workers find it when they start,
-    nobody dies of the signal, everything exits 0, and the launcher's own file is gone."""
+    nobody dies of the signal, everything exits 0, and the launcher's own file is gone. The
+    workers see the shutdown timeout the launcher gave torchrun."""
     cmd = [
         sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -59,3 +66,5 @@ def test_a_signal_to_the_launcher_before_its_workers_exist_is_honoured_by_them()
     for rank in (0, 1):
         assert f"rank {rank} stops: stop file {stop_file[1]}" in output
     assert not Path(stop_file[1]).exists()
+    # given in the environment, not as `--shutdown-timeout`, which torch 2.11's torchrun refuses
+    assert f"shutdown timeout {SHUTDOWN_TIMEOUT_S}" in output, output[-4000:]

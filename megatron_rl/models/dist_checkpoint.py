@@ -17,6 +17,7 @@ multiprocessing Manager).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import shutil
@@ -80,9 +81,19 @@ def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
     state = {"model": model}
     if optimizer is not None:
         # Keyed by the parameters' global names, so Adam's moments reshard like the weights.
-        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+        )
     return state
 
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+"""The distributed optimizer's checkpoint format: its moments per parameter, like the
+non-distributed optimizer's, so a checkpoint reshards in TP, PP and DP alike (Megatron-LM's
+`--dist-ckpt-optim-fully-reshardable`). megatron-core 0.16's default,
+'fully_sharded_model_space', fails at save ("ShardedTensor.flattened_range is not
+supported", tests/test_gpu.py on an H200, bench/gpu.md); 'dp_reshardable' saves without
+gathering on DP rank 0 but reshards in DP only."""
 
 _MANAGERS: list = []
 
@@ -119,6 +130,79 @@ def reset_to_unstepped(optimizer) -> None:
     for inner in _inner_optimizers(optimizer):
         inner.state.clear()
     optimizer.reload_model_params()
+
+
+def _torch_adam_distributed(optimizer) -> list:
+    """The distributed optimizers in `optimizer` that step with torch's Adam (neither Apex
+    nor Transformer Engine installed), whose `step` megatron-core 0.16 mishandles."""
+    # why: megatron-core takes seconds to import: loaded on first use
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s for s in subs if isinstance(s, distrib_optimizer.DistributedOptimizer)]
+
+
+def _seed_unstepped_state(optimizer) -> None:
+    """Zero Adam moments and step 0 in each unstepped torch-Adam distributed optimizer, as
+    torch's Adam makes them at its first step; the load then overwrites them. Why:
+    megatron-core 0.16's `DistributedOptimizer.state_dict()` (called by its
+    `sharded_state_dict` when loading too) reads `step` from every parameter's state and
+    asserts there is one (distrib_optimizer.py l.642; tests/test_gpu.py on an H200)."""
+    for sub in _torch_adam_distributed(optimizer):
+        inner = sub.optimizer
+        if len(inner.state) > 0:
+            continue
+        sub.init_state_fn(inner, sub.config)
+        for group in inner.param_groups:
+            # torch's Adam keeps `step` on the parameter's device only when capturable or fused
+            on_param = group.get("capturable") or group.get("fused")
+            for p in group["params"]:
+                device = p.device if on_param else torch.device("cpu")
+                inner.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=device)
+
+
+@contextlib.contextmanager
+def _step_kept_apart(optimizer):
+    """While megatron-core 0.16 loads a torch-Adam distributed optimizer's 'fully_reshardable'
+    state, hide each parameter's `step` from its copy. Why: the checkpoint holds no per-
+    parameter `step` (it travels in the param groups, which `load_state_dict` has just put
+    back into the state), yet `_set_main_param_and_optimizer_states` copies every key of the
+    state from the checkpoint's tensors: a KeyError 'step' (distrib_optimizer.py l.940, seen
+    on an H200). With Transformer Engine's FusedAdam the state has no `step` at all."""
+    patched = _torch_adam_distributed(optimizer)
+    for sub in patched:
+        original = sub._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, sub=sub, original=original):
+            group, order = sub.model_param_group_index_map[model_param]
+            state = sub.optimizer.state[sub.optimizer.param_groups[group]["params"][order]]
+            step = state.pop("step", None)
+            try:
+                original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        sub._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states  # the class's method again
+
+
+def _unshare_steps(optimizer) -> None:
+    """One `step` tensor per parameter again. Why: megatron-core 0.16's torch-Adam
+    `DistributedOptimizer.load_state_dict` puts one tensor in every parameter's state
+    (distrib_optimizer.py l.821-825) and torch keeps it as given; torch's foreach Adam then
+    adds 1 to it once per parameter, so the bias corrections of every later step are wrong
+    (the resumed step differed from the uninterrupted one, tests/test_gpu.py on an H200)."""
+    for sub in _torch_adam_distributed(optimizer):
+        for state in sub.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
 
 
 def _holds_optimizer_state(model_dir: Path) -> bool:
@@ -176,6 +260,8 @@ def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> No
 
     has_state = optimizer is not None and _holds_optimizer_state(model_dir)
     saved_optimizer = optimizer if has_state else None
+    if saved_optimizer is not None:
+        _seed_unstepped_state(saved_optimizer)
     sharded = _sharded_state(chunks, saved_optimizer, True)
     for chunk_state in sharded["model"].values():
         for name in skip:
@@ -189,6 +275,8 @@ def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> No
                 f"{result.unexpected_keys} unused (only {list(skip)} may be skipped)"
             )
     if saved_optimizer is not None:
-        saved_optimizer.load_state_dict(state["optimizer"])
+        with _step_kept_apart(saved_optimizer):
+            saved_optimizer.load_state_dict(state["optimizer"])
+        _unshare_steps(saved_optimizer)
     elif optimizer is not None:  # saved before its first step: it stays unstepped
         reset_to_unstepped(optimizer)

@@ -2,6 +2,7 @@
 request (`megatron_rl.preemption`) and exit 0."""
 
 import argparse
+import os
 import time
 
 import torch
@@ -26,6 +27,8 @@ def main():
         while not STOP.requested and time.time() < deadline:
             time.sleep(0.1)
         print(f"rank {torch.distributed.get_rank()} stops: {STOP.reason}", flush=True)
+        # torchrun's wait before its SIGKILL, as the launcher gave it (the environment)
+        print(f"shutdown timeout {os.environ.get('TORCH_ELASTIC_SHUTDOWN_TIMEOUT')}", flush=True)
     torch.distributed.barrier()
 
 
