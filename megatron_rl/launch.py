@@ -6,7 +6,7 @@ hard time limit for the tests and the demo.
 runs torchrun with the same arguments, but a SIGTERM or SIGUSR1 sent to this launcher (a
 container runtime's stop, SLURM's `--signal=B:...`, `kill`) becomes a stop request to the
 training workers (`megatron_rl.preemption`: a stop file, not a signal, so a worker still
-starting up cannot die of it): they finish the step, save a checkpoint and exit 0, so
+starting up cannot die of it): they save the last step boundary and exit 0, so
 torchrun and this launcher exit 0 too. torchrun signalled itself would stop its workers
 with a SIGKILL after its shutdown timeout (30 s by default) and exit 1; here that timeout
 defaults to `SHUTDOWN_TIMEOUT_S` (`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` in torchrun's environment,
@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
         request_stop(path, f"{name} to the launcher")
-        print(f"launcher: {name}: the workers stop after this step ({path})", flush=True)
+        print(f"launcher: {name}: the workers save and stop ({path})", flush=True)
 
     for sig in STOP_SIGNALS:  # first, so that no signal from now on is lost
         signal.signal(sig, on_signal)

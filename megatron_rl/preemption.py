@@ -1,17 +1,24 @@
-"""Stop requests from a scheduler: the workers finish the step, save and exit 0.
+"""Stop requests from a scheduler: the workers save the last step boundary and exit 0.
 
-A request is either a signal to the worker itself (SIGTERM from plain `scancel` or a
-pre-emption, SIGUSR1) or a stop file: the path in $MEGATRON_RL_STOP_FILE exists. The file is
-how the launcher (`megatron_rl.launch`) and the sbatch script pass a request on: unlike a
-signal it cannot arrive before a worker has installed its handler (a worker killed by its
-SIGUSR1 saves nothing), and a request made before the workers exist at all is still there
-when they start. Workers look for it at step boundaries, where they look at the signal flag.
+A request is either a signal to the worker itself (SIGTERM from plain `scancel`, a
+pre-emption or torchrun passing its own on, SIGUSR1) or a stop file: the path in
+$MEGATRON_RL_STOP_FILE exists. The file is how the launcher (`megatron_rl.launch`) and the
+sbatch script pass a request on: unlike a signal it cannot arrive before a worker has
+installed its handler (a worker killed by its SIGUSR1 saves nothing), and a request made
+before the workers exist at all is still there when they start.
+
+The trainer looks for a request at its abort points (`RLTrainer.abort_point`): between the
+rollout's chunks, after the rollout, before each role's experience forward and before the
+first optimizer update. Once the ranks agree that some rank saw one, every rank raises
+`StepAborted` together and the trainer saves the state of the step's start. From the first
+optimizer update on, the step is finished instead, and saved.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 STOP_FILE_ENV = "MEGATRON_RL_STOP_FILE"
@@ -29,18 +36,49 @@ def request_stop(path: Path, reason: str) -> None:
     path.write_text(reason + "\n")
 
 
+def plain_torchrun_warning(env=os.environ) -> str | None:
+    """What a scheduler's stop does to a run that plain torchrun started (no stop file named
+    by `megatron_rl.launch` or the sbatch script), or None for any other start."""
+    if STOP_FILE_ENV in env or "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    timeout = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+    return (
+        "warning: started by plain torchrun: a SIGTERM to torchrun reaches the workers as a "
+        f"stop request, but torchrun SIGKILLs them {timeout} s later (its shutdown timeout, "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT, unless --shutdown-timeout says otherwise; torch 2.11 "
+        "always waits 30 s), and a SIGUSR1 kills torchrun itself, orphaning them. "
+        "`python -m megatron_rl.launch` takes the same arguments and turns either signal into "
+        "a stop request with 900 s to save"
+    )
+
+
 class StopRequest:
     """`install()` first thing in a worker; `requested` at every step boundary."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self.signal_time: float | None = None
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if self.signal is None:
+            self.signal_time = time.time()
         self.signal = signal.Signals(signum).name
+
+    @property
+    def since(self) -> float | None:
+        """When the request was made (the signal's arrival, or the stop file's mtime), in
+        `time.time()` seconds; None when there is none here."""
+        if self.signal_time is not None:
+            return self.signal_time
+        path = stop_file()
+        try:
+            return path.stat().st_mtime if path is not None else None
+        except FileNotFoundError:
+            return None
 
     @property
     def reason(self) -> str | None:
@@ -59,3 +97,12 @@ class StopRequest:
 
 STOP = StopRequest()
 """This process's stop request (one per process: signal handlers are process-wide)."""
+
+
+class StepAborted(Exception):
+    """A stop request ended a step before its first optimizer update. Raised on every rank
+    together, once they agree (a collective), so no rank is left inside a collective."""
+
+    def __init__(self, phase: str):
+        super().__init__(f"a stop request ended the step during {phase}")
+        self.phase = phase

@@ -61,7 +61,7 @@ def test_a_signal_to_the_launcher_before_its_workers_exist_is_honoured_by_them()
         if proc.poll() is None:
             kill_tree(proc)
     assert proc.returncode == 0, output[-4000:]
-    stop_file = re.search(r"launcher: SIGUSR1: the workers stop after this step \((\S+)\)", output)
+    stop_file = re.search(r"launcher: SIGUSR1: the workers save and stop \((\S+)\)", output)
     assert stop_file, output[-4000:]
     for rank in (0, 1):
         assert f"rank {rank} stops: stop file {stop_file[1]}" in output

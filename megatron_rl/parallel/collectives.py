@@ -161,6 +161,17 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def any_model_parallel_rank(flag: bool) -> bool:
+    """True on every rank of this rank's tensor x pipeline group when `flag` is true on any
+    of them (the ranks that run one rollout in lockstep)."""
+    group = _model_parallel_group()
+    if group is None:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=distributed.device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def _model_parallel_group():
     """This rank's tensor x pipeline group, or None when it has one rank (or no world)."""
     # why: megatron-core takes seconds to import: loaded on first use

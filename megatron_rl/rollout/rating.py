@@ -24,9 +24,11 @@ import hashlib
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.scorer import check_failure_ratio
 from megatron_rl.rollout.strategies import Group, RatedSample, make_strategy
@@ -116,6 +118,7 @@ def generate_samples_with_rating(
     tokenizer,
     config: RatingConfig | None = None,
     seed: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -126,6 +129,12 @@ def generate_samples_with_rating(
     `RewardFailureError` when one function fails on more than `max_failure_ratio` of samples.
     With `seed`, every request gets its own seed from (seed, prompt row, chunk, position), so
     the rollout does not depend on what the engine generated before (resume is exact).
+
+    `should_stop()` is asked before each chunk is generated and before each chunk's scores
+    are collected; when it says yes the call raises `StepAborted` (chunks in flight are
+    left to the pool). Every rank running this rollout in lockstep must get the same answer
+    (the trainer agrees over the model-parallel group), so a stop during generation waits
+    for at most one chunk's generation, and one during scoring for one chunk's scores.
     """
     config = config or RatingConfig()
     if rollout_size < 1:
@@ -138,6 +147,11 @@ def generate_samples_with_rating(
     scored, timeline = [], []
     num_chunks = dropped = generated = 0
     wait_s = 0.0
+
+    def check(phase: str) -> None:
+        if should_stop is not None and should_stop():
+            raise StepAborted(phase)
+
     while True:
         optimistic = len(kept) + sum(len(c.prompts) for c in inflight)
         if (
@@ -145,6 +159,7 @@ def generate_samples_with_rating(
             and num_chunks < config.max_num_gen_chunks
             and len(inflight) < config.max_inflight_chunks
         ):
+            check("rollout/generate")
             k = min(chunk_size, rollout_size - optimistic) if strategy.exact else chunk_size
             batch = prompts.take(k)
             t0 = time.time()
@@ -163,6 +178,7 @@ def generate_samples_with_rating(
             continue
         if not inflight:
             break
+        check("rollout/score")
         chunk = inflight.popleft()
         t0 = time.time()
         result = reward_fns.result(chunk.handle)

@@ -72,19 +72,27 @@ def forward_micro_batching(config, role: str, rows: int) -> dict:
 
 
 def make_experience(
-    groups, actor, critic, reference, config, pad_token_id: int
+    groups, actor, critic, reference, config, pad_token_id: int, before_forward=None
 ) -> tuple[TrainingBatch, dict[str, float]]:
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch, on
     the actor's device, and the experience metrics under their logged names (KL, engine vs
-    trainer log-probs, advantage/value means)."""
+    trainer log-probs, advantage/value means). `before_forward(role)`, when given, runs
+    before each role's forward pass (the trainer's abort point: it may raise)."""
+
+    def starting(role: str) -> None:
+        if before_forward is not None:
+            before_forward(role)
+
     batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
     split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
+    starting("actor")
     old = actor.compute_logprobs(batch, **split)
     fields = {"old_logprobs": old}
     metrics = {}
     token_kl = None
     if reference is not None:
+        starting("reference")
         ref = reference.compute_logprobs(batch, **split)
         fields["ref_logprobs"] = ref
         token_kl = kl_estimate(old, ref, "k1")
@@ -93,6 +101,7 @@ def make_experience(
             token_kl = None  # KL only in the loss (GRPO): not folded into the rewards
     values = None
     if critic is not None:
+        starting("critic")
         values = critic.compute_values(
             batch, **forward_micro_batching(config, "critic", len(batch))
         )

@@ -34,12 +34,13 @@ from megatron_rl.models.hf_export import save_hf_pretrained
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel import distributed
 from megatron_rl.parallel.collectives import (
+    any_model_parallel_rank,
     any_rank,
     balance_over_data_parallel,
     data_parallel_min,
     reduce_over_ranks,
 )
-from megatron_rl.preemption import STOP
+from megatron_rl.preemption import STOP, StepAborted, plain_torchrun_warning
 from megatron_rl.rewards.pool import ModelParallelScoringPool
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
@@ -266,7 +267,12 @@ class RLTrainer:
         self.step = 0
         self.value_pretrain_step = 0
         self.nonfinite_in_a_row = 0
+        self.saved_progress: int | None = None
+        """The progress (value-pretraining + PPO steps) of the last save or resume."""
         STOP.install()  # again: `megatron_rl.cli.train` installs it first thing
+        warning = plain_torchrun_warning()
+        if warning and self.ctx.rank == 0:
+            print(warning, flush=True)
         if t.resume:
             self.resume_from_newest()
         self.offload_for_rollout()  # the first rollout runs as every later one
@@ -274,9 +280,53 @@ class RLTrainer:
     # ------------------------------------------------------------------ set-up helpers
 
     def stop_requested_anywhere(self) -> bool:
-        """A stop request (`megatron_rl.preemption`) reached some rank: all finish the step,
-        save and exit together."""
+        """A stop request (`megatron_rl.preemption`) reached some rank: asked at step
+        boundaries (inside a step: `abort_point`)."""
         return any_rank(STOP.requested)
+
+    def stop_requested_in_replica(self) -> bool:
+        """A stop request reached some rank of this model replica (the ranks that run one
+        rollout in lockstep): asked between the rollout's chunks."""
+        return any_model_parallel_rank(STOP.requested)
+
+    def abort_point(self, phase: str, aborted: bool = False) -> None:
+        """Raise `StepAborted(phase)` on every rank when some rank saw a stop request (or
+        `aborted`): a world collective, so every rank must reach each abort point of a step
+        in the same order. Only before a step's first optimizer update."""
+        if any_rank(aborted or STOP.requested):
+            raise StepAborted(phase)
+
+    def abortable_step(self, stage: str, step_fn):
+        """`step_fn()`, or None when a stop request aborted it: the data position and RNG
+        state of the step's start are put back and saved (unless that state is the newest
+        checkpoint already), so the resumed run redoes the step exactly."""
+        data, rng = self.prompts.state_dict(), rng_state()
+        started = time.time()
+        try:
+            return step_fn()
+        except StepAborted as e:
+            self.prompts.load_state_dict(data)
+            set_rng_state(rng)
+            self.save_after_abort(stage, e.phase, started)
+            return None
+
+    def save_after_abort(self, stage: str, phase: str, started: float) -> None:
+        progress = self.value_pretrain_step + self.step
+        step = self.value_pretrain_step if stage == "value_pretrain" else self.step
+        if self.ctx.rank == 0:
+            since = STOP.since
+            seen = f"{time.time() - since:.1f} s after the request, " if since else ""
+            print(
+                f"stop ({STOP.reason or 'requested on another rank'}): {stage} step {step + 1} "
+                f"aborted in {phase}, {seen}{time.time() - started:.1f} s into the step; "
+                f"its start (step {step}) is what resumes",
+                flush=True,
+            )
+        if self.saved_progress == progress:
+            if self.ctx.rank == 0:
+                print(f"step {step} is the newest checkpoint already: nothing to save", flush=True)
+            return
+        self.save()
 
     @contextmanager
     def phase(self, name: str):
@@ -327,7 +377,10 @@ class RLTrainer:
                 self.logger.log(0, self.evaluate(), "eval")
         while self.step < total:
             with self.watchdog.watch(f"train step {self.step + 1}"):  # trainer.step_timeout_s
-                metrics = self.train_step()  # rollout -> experience -> PPO epochs -> weight sync
+                # rollout -> experience -> PPO epochs -> weight sync; None: aborted and saved
+                metrics = self.abortable_step("train", self.train_step)
+                if metrics is None:
+                    return False
                 step = self.step
                 if self.evaluator and (
                     step == total or (eval_interval and step % eval_interval == 0)
@@ -349,16 +402,22 @@ class RLTrainer:
         """This DP rank's rated groups for one step, trimmed to the same count on every DP
         rank (dynamic filtering can come back short), and the rollout metrics."""
         c = self.config
-        rollout = generate_samples_with_rating(
-            DataParallelShard(self.prompts, self.ctx.dp_rank, self.dp_size),
-            c.rollout.rollout_batch_size // self.dp_size,
-            self.engine,
-            self.pool,
-            self.sampling,
-            self.tokenizer,
-            c.rollout.rating,
-            seed=request_seed(c.trainer.seed, STAGES[stage], step),
-        )
+        aborted = None
+        try:
+            rollout = generate_samples_with_rating(
+                DataParallelShard(self.prompts, self.ctx.dp_rank, self.dp_size),
+                c.rollout.rollout_batch_size // self.dp_size,
+                self.engine,
+                self.pool,
+                self.sampling,
+                self.tokenizer,
+                c.rollout.rating,
+                seed=request_seed(c.trainer.seed, STAGES[stage], step),
+                should_stop=self.stop_requested_in_replica,
+            )
+        except StepAborted as e:  # this replica only: the others finish their rollout
+            aborted = e.phase
+        self.abort_point(aborted or "rollout", aborted is not None)
         groups = rollout.groups[: data_parallel_min(len(rollout.groups))]
         samples = [s for g in groups for s in g]
         metrics = dict(rollout.metrics)
@@ -456,6 +515,7 @@ class RLTrainer:
     def update(self, batch, step: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
+        self.abort_point("train")  # the last one: from the first optimizer update on, the step ends
         batch, balance_metrics = self.balanced(batch)
         per_rank, nmb = self.minibatch_plan()
         actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
@@ -503,6 +563,7 @@ class RLTrainer:
                 self.reference,
                 c,
                 self.pad_token_id,
+                before_forward=lambda role: self.abort_point(f"experience/{role}"),
             )
         self.offload("reference")  # unused until the next experience
         t2 = time.perf_counter()
@@ -561,12 +622,15 @@ class RLTrainer:
         config_yaml = yaml.safe_dump(to_dict(self.config), sort_keys=False)
         # Checkpoints are numbered by progress over both stages, so the newest sorts last.
         progress = self.value_pretrain_step + self.step
+        started = time.perf_counter()
         with self.roles_resident():
             path = self.checkpoints.save(
                 progress, write_roles, rng_state(), trainer_state, config_yaml
             )
+        self.saved_progress = progress
         if self.ctx.rank == 0:
-            print(f"saved checkpoint {path}", flush=True)
+            # the save time: what a scheduler's signal lead time must leave room for
+            print(f"saved checkpoint {path} in {time.perf_counter() - started:.1f} s", flush=True)
 
     @in_phase("save_hf")
     def save_hf(self) -> Path:
@@ -627,6 +691,7 @@ class RLTrainer:
         self.step = trainer_state["step"]
         self.value_pretrain_step = trainer_state["value_pretrain_step"]
         self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
+        self.saved_progress = self.value_pretrain_step + self.step
         sync_weights(self.actor, self.engine)  # the engine started from the HF weights
         position = (1, self.step) if self.value_pretrain_done else (0, self.value_pretrain_step)
         dropped = self.logger.rewind(position)

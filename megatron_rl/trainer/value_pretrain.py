@@ -92,6 +92,7 @@ def pretrain_step(trainer) -> dict[str, float]:
         trainer.value_pretrain_step += 1
         metrics.update(trainer.memory.end_step(trainer.value_pretrain_step, STAGE))
         return reduce_over_ranks({**metrics, "actor/skipped_update": 1.0})
+    trainer.abort_point("train")  # the last one: from the critic's first update on, it ends
     trainer.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
     with trainer.phase("train"):
         metrics.update(pretrain_update(trainer, groups, step))
@@ -111,7 +112,9 @@ def run_value_pretraining(trainer) -> bool:
     evs = []
     while not trainer.value_pretrain_done:
         with trainer.watchdog.watch(f"value_pretrain step {trainer.value_pretrain_step + 1}"):
-            metrics = pretrain_step(trainer)
+            metrics = trainer.abortable_step(STAGE, lambda: pretrain_step(trainer))
+            if metrics is None:  # a stop request: the step's start is saved
+                return False
             evs.append(metrics.get("critic/vf_explained_var"))
             trainer.logger.log(trainer.value_pretrain_step, metrics, STAGE, total)
             if threshold is not None and metrics.get("critic/vf_explained_var", -1e9) >= threshold:

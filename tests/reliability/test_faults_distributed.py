@@ -37,7 +37,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
     scoring rank per model-parallel group each TP rank scores with its own coin: different
     advantages, different groups kept, different batch shapes in the next collective) that is stuck in C on a fifth of the responses (only a killed process
     stops it). After two steps the launcher alone gets SIGTERM, as from `docker stop` or
-    SLURM's `--signal=B:TERM`: the workers finish their step, save, and everything exits 0."""
+    SLURM's `--signal=B:TERM`: the workers save the last step boundary, and everything exits 0."""
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2", "--nnodes=1",
@@ -67,7 +67,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_0_with_a_judge_that_differs_per
     assert sorted(p.name for p in latest.iterdir()) == [
         "actor", "config.yaml", "rng", "trainer_state.json"
     ]  # fmt: skip
-    assert "launcher: SIGTERM: the workers stop after this step" in output
+    assert "launcher: SIGTERM: the workers save and stop" in output
     timeouts = sum(r.get("rollout/reward/python/failures", 0.0) for r in records)
     assert timeouts > 0, "no response hit the C hang: the test exercised nothing"
     calls = (tmp_path / "calls.txt").read_text().split()

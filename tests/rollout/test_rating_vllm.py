@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from megatron_rl.data import PromptDataConfig, PromptStream, load_prompts
+from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards import (
     PythonRewardConfig,
     RewardFailureError,
@@ -84,6 +85,27 @@ def test_plain_rollout_is_exact_and_rated(dataset, engine, tokenizer):
         assert s.response == tokenizer.decode(s.sample.token_ids, skip_special_tokens=True)
         assert s.reward == float(len(s.response) % 2 == 0) == s.scores["python"]
         assert s.sample.prompt_token_ids == s.prompt.prompt_token_ids
+
+
+def test_a_stop_between_chunks_raises_and_leaves_the_engine_reusable(dataset, engine, tokenizer):
+    """`should_stop` is asked before each chunk is generated and before each chunk's scores
+    are collected: a yes at the third question (two chunks generated, none collected) raises
+    StepAborted naming that point, and the next rollout is the one a fresh call makes."""
+    pool = make_scoring_pool(reward("length_parity"))
+    asked = []
+    stream = PromptStream(dataset, seed=1)
+    with pytest.raises(StepAborted) as e:
+        generate_samples_with_rating(
+            stream, 6, engine, pool, SAMPLING, tokenizer, RatingConfig(chunk_size=2), seed=3,
+            should_stop=lambda: asked.append(1) or len(asked) >= 3,
+        )  # fmt: skip
+    assert e.value.phase == "rollout/score" and len(asked) == 3
+    assert stream.state_dict()["index"] == 4  # two chunks of prompts were drawn
+    again = rollout(dataset, engine, pool, tokenizer, 6, seed=3, chunk_size=2)
+    fresh = rollout(dataset, engine, pool, tokenizer, 6, seed=3, chunk_size=2)
+    assert [s.sample.token_ids for s in again.samples] == [
+        s.sample.token_ids for s in fresh.samples
+    ]
 
 
 def test_dynamic_filtering_fills_the_batch_with_informative_groups(dataset, engine, tokenizer):

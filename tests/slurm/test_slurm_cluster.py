@@ -204,7 +204,7 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-5000:]
     assert job["Restarts"] == "1"
 
-    assert "USR1: the workers save and stop after this step" in log
+    assert "USR1: the workers save their last step boundary and stop" in log
     # saved: the pretrained critic, the pre-emption's checkpoint, the last step's
     pretrained, saved, last = re.findall(r"saved checkpoint \S+/(step_\d+)", log)
     assert (

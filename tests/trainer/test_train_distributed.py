@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 
+from megatron_rl.launch import run_torchrun
+from megatron_rl.preemption import STOP_FILE_ENV
 from tests.checkpoints import same_weights
 from tests.trainer.runs import (
     LABEL_REWARD,
@@ -377,3 +379,61 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
         for name, out in runs.items()
     }
     assert exports["plain"] and exports["offload"] == exports["plain"]
+
+
+@pytest.mark.e2e  # two CLIs per case after the shared run: the journeys' tier
+@pytest.mark.parametrize(
+    ("stop_at", "save_interval", "aborted_in"),
+    [
+        ("train:3:rollout/score", 0, "rollout/score"),  # generated, prompts drawn, not scored
+        ("train:3:experience/critic", 0, "experience/critic"),  # old and ref log-probs made
+        ("train:2:train", 1, "train"),  # the step's start is the newest checkpoint already
+    ],
+)
+def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
+    stop_at, save_interval, aborted_in, vapo_run, tiny_model_dir, labelled_prompts, tmp_path
+):
+    """A stop request inside a step (#44) aborts it before its first optimizer update: every
+    rank exits 0 at once, the checkpoint is the step's start (data position rewound, RNG put
+    back), and the resumed run logs the same steps, metrics and final weights as the
+    uninterrupted one. Resumed from the end of value pretraining of the shared run."""
+    run = tmp_path / "run"
+    shutil.copytree(vapo_run, run)
+    root = run / "checkpoints"
+    for progress in range(5, 9):
+        shutil.rmtree(root / f"step_{progress:06d}")
+    (root / "latest").write_text("step_000004")
+    overrides = [*vapo_overrides(tiny_model_dir, labelled_prompts)]
+    overrides.append(f"trainer.save_interval={save_interval}")
+    stop = tmp_path / "stop"
+    first = run_torchrun(
+        "tests.torchrun.stop_in_phase",
+        ["--stop-at", stop_at, "--config", "examples/tiny/vapo.yaml",
+         f"trainer.output_dir={run}", *overrides],
+        env={STOP_FILE_ENV: str(stop)},
+        timeout=400,
+    ).output  # fmt: skip
+    step = int(stop_at.split(":")[1])
+    boundary = root / f"step_{4 + step - 1:06d}"
+    assert f"train step {step} aborted in {aborted_in}" in first, first[-4000:]
+    if save_interval:
+        assert f"step {step - 1} is the newest checkpoint already: nothing to save" in first
+    else:
+        assert f"saved checkpoint {boundary}" in first, first[-4000:]
+    assert (root / "latest").read_text() == boundary.name
+    state = json.loads((boundary / "trainer_state.json").read_text())
+    assert state["step"] == step - 1
+    assert [r["step"] for r in metrics(run)] == list(range(1, step))  # none for the aborted one
+    stop.unlink()
+    resumed = train("vapo", run, *overrides).output
+    assert f"resumed from {boundary} (step {step - 1})" in resumed
+    expected = [measured(r) for r in metrics(vapo_run)]
+    assert [measured(r) for r in metrics(run)] == expected
+    assert (
+        state["data"]
+        == json.loads(
+            (vapo_run / "checkpoints" / boundary.name / "trainer_state.json").read_text()
+        )["data"]
+    )
+    for role in ("actor", "critic"):
+        assert same_weights(checkpoint(run, 8)[role], checkpoint(vapo_run, 8)[role])

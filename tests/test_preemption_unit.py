@@ -1,0 +1,55 @@
+"""Stop requests (`megatron_rl.preemption`): when one was made, and the warning for a run
+that plain torchrun started."""
+
+import os
+import signal
+
+import pytest
+
+from megatron_rl.preemption import (
+    STOP_FILE_ENV,
+    StepAborted,
+    StopRequest,
+    plain_torchrun_warning,
+    request_stop,
+)
+
+
+def test_a_signal_is_a_request_dated_by_its_first_arrival(monkeypatch):
+    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    stop = StopRequest()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop.install()
+        assert not stop.requested and stop.since is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        first = stop.since
+        os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert stop.reason == "SIGTERM" and stop.since == first is not None
+
+
+def test_a_stop_file_is_a_request_dated_by_the_file(monkeypatch, tmp_path):
+    path = tmp_path / "stop"
+    monkeypatch.setenv(STOP_FILE_ENV, str(path))
+    stop = StopRequest()
+    assert not stop.requested and stop.since is None
+    request_stop(path, "SIGTERM to the launcher")
+    assert stop.reason == f"stop file {path}" and stop.since == path.stat().st_mtime
+
+
+def test_plain_torchrun_gets_a_warning_naming_its_shutdown_timeout():
+    torchrun = {"TORCHELASTIC_RUN_ID": "none", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}
+    warning = plain_torchrun_warning(torchrun)
+    assert "SIGKILLs them 120 s later" in warning and "megatron_rl.launch" in warning
+    assert "30 s later" in plain_torchrun_warning({"TORCHELASTIC_RUN_ID": "none"})
+    assert plain_torchrun_warning({**torchrun, STOP_FILE_ENV: "/tmp/stop"}) is None  # launcher
+    assert plain_torchrun_warning({}) is None  # not torchrun at all
+
+
+@pytest.mark.parametrize("phase", ["rollout/score", "experience/critic"])
+def test_step_aborted_names_its_phase(phase):
+    e = StepAborted(phase)
+    assert e.phase == phase and phase in str(e)

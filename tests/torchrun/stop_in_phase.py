@@ -1,0 +1,61 @@
+"""torchrun worker: `megatron_rl.cli.train` with a stop request made at an exact point of a
+step, as a scheduler's signal would land there, but deterministically (a signal's timing
+races on two cores).
+
+    --stop-at STAGE:STEP:PHASE [train args ...]
+
+STAGE is train or value_pretrain, STEP the step (1-based) in which to ask, PHASE one of the
+trainer's abort points (`RLTrainer.abort_point`: rollout, experience/actor,
+experience/reference, experience/critic, train) or rollout/score: the rating loop's check
+before it collects a chunk's scores, i.e. once the chunk is generated and its prompts drawn.
+Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks whether
+anyone wants to stop, as the launcher would on a SIGTERM.
+"""
+
+import argparse
+
+from megatron_rl.cli import train
+from megatron_rl.preemption import request_stop, stop_file
+from megatron_rl.trainer.runner import RLTrainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stop-at", required=True)
+    a, rest = p.parse_known_args()
+    stage, step, phase = a.stop_at.split(":")
+
+    def arrived(trainer: RLTrainer) -> bool:
+        in_stage = "value_pretrain" if not trainer.value_pretrain_done else "train"
+        current = trainer.value_pretrain_step if in_stage == "value_pretrain" else trainer.step
+        return in_stage == stage and current + 1 == int(step) and trainer.ctx.rank == 0
+
+    def ask() -> None:
+        path = stop_file()
+        if not path.exists():
+            request_stop(path, f"stop_in_phase {a.stop_at}")
+
+    abort_point, in_replica = RLTrainer.abort_point, RLTrainer.stop_requested_in_replica
+    calls = {"n": 0}
+
+    def abort_point_asking(self, name, aborted=False):
+        if name == phase and arrived(self):
+            ask()
+        return abort_point(self, name, aborted)
+
+    def in_replica_asking(self):
+        # the rating loop asks before its one chunk is generated (call 1), then before the
+        # chunk's scores are collected (call 2)
+        if phase == "rollout/score" and arrived(self):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                ask()
+        return in_replica(self)
+
+    RLTrainer.abort_point = abort_point_asking
+    RLTrainer.stop_requested_in_replica = in_replica_asking
+    train.main(rest)
+
+
+if __name__ == "__main__":
+    main()
