@@ -223,6 +223,9 @@ class HFEngine:
         token_lp = logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # [B, S - 1]
         return [token_lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
+    aborts_generation = False
+    """`generate` runs to its end: a stop request waits for it (no `should_stop`)."""
+
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
     ) -> list[Sample]:

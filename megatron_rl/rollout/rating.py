@@ -36,6 +36,9 @@ from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig
 
 
 class Engine(Protocol):
+    aborts_generation: bool
+    """Whether `generate` takes `should_stop` (a stop inside one engine call)."""
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Sample]: ...
 
 
@@ -119,6 +122,7 @@ def generate_samples_with_rating(
     config: RatingConfig | None = None,
     seed: int | None = None,
     should_stop: Callable[[], bool] | None = None,
+    stop_generation: Callable[[], bool] | None = None,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -133,9 +137,14 @@ def generate_samples_with_rating(
     `should_stop()` is asked before each chunk is generated and before each chunk's scores
     are collected; when it says yes the call raises `StepAborted` (chunks in flight are
     left to the pool). Every rank running this rollout in lockstep must get the same answer
-    (the trainer agrees over the model-parallel group), so a stop during generation waits
-    for at most one chunk's generation, and one during scoring for one chunk's scores.
+    (the trainer agrees over the model-parallel group), so a stop during scoring waits for
+    one chunk's scores. `stop_generation` (this rank's own request; engines with
+    `aborts_generation` only) goes to each engine call, which then aborts within a few engine
+    steps; without it a stop during generation waits for the chunk's generation.
     """
+    if stop_generation is not None and not engine.aborts_generation:
+        raise ValueError(f"{type(engine).__name__} cannot abort a generation: no stop_generation")
+    in_engine = {} if stop_generation is None else {"should_stop": stop_generation}
     config = config or RatingConfig()
     if rollout_size < 1:
         raise ValueError(f"rollout_size must be >= 1, got {rollout_size}")
@@ -164,11 +173,10 @@ def generate_samples_with_rating(
             batch = prompts.take(k)
             t0 = time.time()
             ids = [p.prompt_token_ids for p in batch]
-            if seed is None:
-                samples = engine.generate(ids, sampling)
-            else:
+            seeds = None
+            if seed is not None:
                 seeds = [request_seed(seed, p.row, num_chunks, i) for i, p in enumerate(batch)]
-                samples = engine.generate(ids, sampling, seeds)
+            samples = engine.generate(ids, sampling, seeds, **in_engine)
             timeline.append(("generate", num_chunks, t0, time.time()))
             texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             handle = reward_fns.submit(reward_inputs(batch, samples, texts))

@@ -21,9 +21,11 @@ tensors over the pipeline group), so sleep, wake-up and weight updates need no s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from megatron_rl.parallel.collectives import gather_over_model_parallel
+from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig
 
 
@@ -131,20 +133,35 @@ class ReplicaEngine:
         return n * e // k, n * (e + 1) // k
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Sample]:
+        """`should_stop` (engines with `aborts_generation` only): an engine that aborts
+        still takes part in the gather, so every rank of the replica raises `StepAborted`
+        together, once the replica's other engines have finished their shares."""
+        stop = {} if should_stop is None else {"should_stop": should_stop}
         if self.num_engines == 1:
-            return self.engine.generate(prompts, sampling, seeds)
+            return self.engine.generate(prompts, sampling, seeds, **stop)
 
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         lo, hi = self.share(len(prompts))
-        mine = self.engine.generate(
-            prompts[lo:hi], sampling, None if seeds is None else seeds[lo:hi]
-        )
+        aborted = False
+        try:
+            mine = self.engine.generate(
+                prompts[lo:hi], sampling, None if seeds is None else seeds[lo:hi], **stop
+            )
+        except StepAborted:
+            mine, aborted = [], True
         mine = [replace(s, prompt_index=s.prompt_index + lo) for s in mine]
         shares = gather_over_model_parallel(
-            (self.engine_index, mine) if self.is_engine_source else None
+            (self.engine_index, mine, aborted) if self.is_engine_source else None
         )
-        by_engine = dict(s for s in shares if s is not None)
+        shares = [s for s in shares if s is not None]
+        if any(engine_aborted for _, _, engine_aborted in shares):
+            raise StepAborted("rollout/generate")
+        by_engine = {e: samples for e, samples, _ in shares}
         return [s for e in range(self.num_engines) for s in by_engine[e]]

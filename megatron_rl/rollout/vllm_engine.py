@@ -16,11 +16,17 @@ engine checks before every use either way; the GPU path is not exercised by the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from megatron_rl.preemption import StepAborted
+
+ABORT_CHECK_STEPS = 8
+"""Engine steps (one decode step, or one prefill chunk, each) between stop checks: the
+latency of a stop during generation, for a gloo all-reduce of one int per check."""
 
 
 @dataclass(frozen=True)
@@ -260,13 +266,23 @@ class VLLMEngine:
             for seq, out in zip(sequences, outputs, strict=True)
         ]
 
+    aborts_generation = True
+    """`generate` takes `should_stop` (the trainer passes its stop request)."""
+
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
 
         `seeds`: one per prompt (distinct ones!) to make each request's samples reproducible
-        whatever else the engine generated before, which checkpoint/resume relies on."""
+        whatever else the engine generated before, which checkpoint/resume relies on.
+        `should_stop`: this rank's stop request, asked every `ABORT_CHECK_STEPS` engine steps
+        and agreed over the engine's ranks; yes aborts every request and raises
+        `StepAborted("rollout/generate")`, leaving the engine empty and reusable."""
         if not prompts:
             return []
         self._require_awake(*ENGINE_MEMORY, use="generate")
@@ -280,11 +296,11 @@ class VLLMEngine:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts],
-            params,
-            use_tqdm=False,
-        )
+        inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+        if should_stop is None:
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        else:
+            outputs = self._generate_abortable(inputs, params, should_stop)
         samples = []
         for prompt_index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
             for completion in sorted(out.outputs, key=lambda c: c.index):
@@ -304,3 +320,41 @@ class VLLMEngine:
                     )
                 )
         return samples
+
+    def _generate_abortable(self, inputs, params, should_stop: Callable[[], bool]) -> list:
+        """`LLM.generate`'s loop (`_run_engine`: step until no request is unfinished), with a
+        stop check every ABORT_CHECK_STEPS steps. Why not `LLM.generate` itself: it has no
+        hook per step, and an exception raised out of it leaves the requests registered in
+        the engine, which the next call would then return too (vllm#17738)."""
+        engine = self.llm.llm_engine
+        self.llm.enqueue(inputs, params, use_tqdm=False)
+        outputs, steps = [], 0
+        while engine.has_unfinished_requests():
+            if steps % ABORT_CHECK_STEPS == 0 and self._any_engine_rank(should_stop()):
+                states = engine.output_processor
+                # every request, sampled children and their parents alike
+                engine.abort_request(
+                    [*states.request_states, *states.parent_requests], internal=True
+                )
+                if engine.has_unfinished_requests():
+                    raise RuntimeError("vLLM kept requests after aborting them all")
+                raise StepAborted("rollout/generate")
+            outputs += [out for out in engine.step() if out.finished]
+            steps += 1
+        return sorted(outputs, key=lambda out: int(out.request_id))  # as `_run_engine` does
+
+    @staticmethod
+    def _any_engine_rank(flag: bool) -> bool:
+        """True on every rank of this engine when it is on one: its TP ranks run the same
+        schedule, so they must abort at the same step (a rank that stopped stepping would
+        leave the others in a TP collective)."""
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device="cpu")
+        # its gloo group: no device synchronisation in the middle of generation
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
+        return bool(t.item())

@@ -414,6 +414,7 @@ class RLTrainer:
                 c.rollout.rating,
                 seed=request_seed(c.trainer.seed, STAGES[stage], step),
                 should_stop=self.stop_requested_in_replica,
+                stop_generation=(lambda: STOP.requested) if self.engine.aborts_generation else None,
             )
         except StepAborted as e:  # this replica only: the others finish their rollout
             aborted = e.phase

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_rl.rollout.vllm_engine import SamplingConfig
+from megatron_rl.preemption import StepAborted
+from megatron_rl.rollout.vllm_engine import ABORT_CHECK_STEPS, SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm
@@ -101,3 +102,25 @@ def test_an_engine_asleep_refuses_work_until_woken(engine, prompts):
     finally:
         engine.wake_up()
     assert len(engine.generate(prompts[:1], SamplingConfig(max_new_tokens=2))) == 1
+
+
+def test_a_stop_aborts_generation_within_a_few_engine_steps_and_leaves_it_reusable(engine, prompts):
+    """`should_stop` is asked every ABORT_CHECK_STEPS engine steps: a yes at the second
+    question (8 of the 48 tokens generated) aborts every request, sampled children included,
+    and raises; the engine holds no request afterwards, and its next seeded generation is
+    the one an undisturbed call makes. A `should_stop` that never says yes changes nothing."""
+    sampling = SamplingConfig(n=2, max_new_tokens=48, ignore_eos=True)
+    seeds = [11, 12, 13]
+    plain = engine.generate(prompts, sampling, seeds)
+    asked = []
+    with pytest.raises(StepAborted, match="rollout/generate"):
+        engine.generate(
+            prompts, sampling, seeds, should_stop=lambda: asked.append(1) or len(asked) == 2
+        )
+    assert len(asked) == 2 and not engine.llm.llm_engine.has_unfinished_requests()
+    assert ABORT_CHECK_STEPS < 48  # the abort came before any request could finish
+    checked = engine.generate(prompts, sampling, seeds, should_stop=lambda: False)
+    assert [s.token_ids for s in checked] == [s.token_ids for s in plain]
+    assert [(s.prompt_index, s.sample_index) for s in checked] == [
+        (s.prompt_index, s.sample_index) for s in plain
+    ]

@@ -6,8 +6,10 @@ races on two cores).
 
 STAGE is train or value_pretrain, STEP the step (1-based) in which to ask, PHASE one of the
 trainer's abort points (`RLTrainer.abort_point`: rollout, experience/actor,
-experience/reference, experience/critic, train) or rollout/score: the rating loop's check
-before it collects a chunk's scores, i.e. once the chunk is generated and its prompts drawn.
+experience/reference, experience/critic, train), rollout/score: the rating loop's check
+before it collects a chunk's scores, i.e. once the chunk is generated and its prompts drawn,
+or rollout/generate: the vLLM engine's second stop check inside its generation (after
+`ABORT_CHECK_STEPS` engine steps).
 Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks whether
 anyone wants to stop, as the launcher would on a SIGTERM.
 """
@@ -16,6 +18,7 @@ import argparse
 
 from megatron_rl.cli import train
 from megatron_rl.preemption import request_stop, stop_file
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.trainer.runner import RLTrainer
 
 
@@ -52,8 +55,29 @@ def main() -> None:
                 ask()
         return in_replica(self)
 
+    generate_and_score = RLTrainer.generate_and_score
+    any_engine_rank = VLLMEngine._any_engine_rank
+    armed = {"on": False, "n": 0}
+
+    def generate_and_score_arming(self, *args, **kwargs):
+        armed["on"] = phase == "rollout/generate" and arrived(self)
+        try:
+            return generate_and_score(self, *args, **kwargs)
+        finally:
+            armed["on"] = False
+
+    def any_engine_rank_asking(flag: bool) -> bool:
+        if armed["on"]:
+            armed["n"] += 1
+            if armed["n"] == 2:
+                ask()
+                flag = True  # as the engine's own `should_stop()` would now answer
+        return any_engine_rank(flag)
+
     RLTrainer.abort_point = abort_point_asking
     RLTrainer.stop_requested_in_replica = in_replica_asking
+    RLTrainer.generate_and_score = generate_and_score_arming
+    VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
     train.main(rest)
 
 

@@ -385,6 +385,7 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("stop_at", "save_interval", "aborted_in"),
     [
+        ("train:3:rollout/generate", 0, "rollout/generate"),  # inside vLLM's generation
         ("train:3:rollout/score", 0, "rollout/score"),  # generated, prompts drawn, not scored
         ("train:3:experience/critic", 0, "experience/critic"),  # old and ref log-probs made
         ("train:2:train", 1, "train"),  # the step's start is the newest checkpoint already
@@ -415,6 +416,15 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     ).output  # fmt: skip
     step = int(stop_at.split(":")[1])
     boundary = root / f"step_{4 + step - 1:06d}"
+    # the abort and save times, for docs/reliability.md (`pytest -s` shows them)
+    print(
+        *[
+            line
+            for line in first.splitlines()
+            if "aborted in" in line or "saved checkpoint" in line
+        ],
+        sep="\n",
+    )
     assert f"train step {step} aborted in {aborted_in}" in first, first[-4000:]
     if save_interval:
         assert f"step {step - 1} is the newest checkpoint already: nothing to save" in first
