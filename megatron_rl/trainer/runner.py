@@ -46,7 +46,12 @@ from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.vllm_engine import (
+    ENGINE_MEMORY,
+    EngineConfig,
+    SamplingConfig,
+    VLLMEngine,
+)
 from megatron_rl.sync.weight_sync import sync_weights
 from megatron_rl.trainer.checkpoint import (
     HF_EXPORTS,
@@ -484,17 +489,20 @@ class RLTrainer:
         """For a save: the parameters come back to the device (reading a role's chunks
         brings them) and leave again after. With parameter offload the engine sleeps
         meanwhile (level 1: its weights wait in host memory), so they have the room they
-        have in training, not just what generation leaves."""
+        have in training, not just what generation leaves. An engine already asleep (a step
+        aborted after the rollout) is left so, and only what was awake wakes again."""
         c = self.config
         moving = c.actor.param_offload or c.actor.ref_param_offload or c.critic.param_offload
-        if moving:
+        awake = tuple(t for t in ENGINE_MEMORY if t in self.engine.awake) if moving else ()
+        if awake:
             self.engine.sleep(level=1)
         try:
             yield
         finally:
             if moving:
                 self.offload_for_rollout()
-                self.wake_engine(why="save_")
+            if awake:
+                self.wake_engine(awake, why="save_")
 
     def minibatch_plan(self) -> tuple[int, int]:
         a = self.config.actor

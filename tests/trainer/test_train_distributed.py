@@ -177,6 +177,17 @@ def test_tensorboard_gets_both_stages_on_one_axis_and_the_resolved_config(vapo_r
     )
 
 
+def as_value_pretraining_ended(run, copy):
+    """A copy of the shared run whose newest checkpoint ends value pretraining (progress 4),
+    as `megatron_rl.cli.value_pretrain` would leave it: the PPO steps' checkpoints removed."""
+    shutil.copytree(run, copy)
+    root = copy / "checkpoints"
+    for progress in range(5, 9):
+        shutil.rmtree(root / f"step_{progress:06d}")
+    (root / "latest").write_text("step_000004")
+    return copy
+
+
 def measured(record: dict) -> dict:
     """A metrics row without what a repeat cannot reproduce (times, memory)."""
     return {
@@ -228,12 +239,8 @@ def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
     and the Adam moments made to load into failed the actor's first step with KeyError
     'step'): `cli.value_pretrain` again finds its work done, and `cli.train` resumes from it
     with the four PPO steps of the uninterrupted run."""
-    resumed = tmp_path / "resumed"
-    shutil.copytree(vapo_run, resumed)
+    resumed = as_value_pretraining_ended(vapo_run, tmp_path / "resumed")
     root = resumed / "checkpoints"
-    for progress in range(5, 9):
-        shutil.rmtree(root / f"step_{progress:06d}")
-    (root / "latest").write_text("step_000004")
     overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
     again = value_pretrain("vapo", resumed, *overrides)
     assert "value pretraining already done in this output_dir" in again.output
@@ -398,13 +405,9 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     rank exits 0 at once, the checkpoint is the step's start (data position rewound, RNG put
     back), and the resumed run logs the same steps, metrics and final weights as the
     uninterrupted one. Resumed from the end of value pretraining of the shared run."""
-    run = tmp_path / "run"
-    shutil.copytree(vapo_run, run)
+    run = as_value_pretraining_ended(vapo_run, tmp_path / "run")
     root = run / "checkpoints"
-    for progress in range(5, 9):
-        shutil.rmtree(root / f"step_{progress:06d}")
-    (root / "latest").write_text("step_000004")
-    overrides = [*vapo_overrides(tiny_model_dir, labelled_prompts)]
+    overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
     overrides.append(f"trainer.save_interval={save_interval}")
     stop = tmp_path / "stop"
     first = run_torchrun(
