@@ -7,11 +7,12 @@ sbatch script pass a request on: unlike a signal it cannot arrive before a worke
 installed its handler (a worker killed by its SIGUSR1 saves nothing), and a request made
 before the workers exist at all is still there when they start.
 
-The trainer looks for a request at its abort points (`RLTrainer.abort_point`): between the
-rollout's chunks, after the rollout, before each role's experience forward and before the
-first optimizer update. Once the ranks agree that some rank saw one, every rank raises
+The trainer looks for a request at its abort points (`RLTrainer.abort_point`): inside vLLM's
+generation, between the rollout's chunks, after the rollout, before each role's experience
+forward, before the update and once the first mini-batch's gradients are computed, before
+any weight changes. Once the ranks agree that some rank saw one, every rank raises
 `StepAborted` together and the trainer saves the state of the step's start. From the first
-optimizer update on, the step is finished instead, and saved.
+optimizer step on, the step is finished instead, and saved.
 """
 
 from __future__ import annotations

@@ -524,7 +524,7 @@ class RLTrainer:
     def update(self, batch, step: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches: actor (and critic) updates."""
         c = self.config
-        self.abort_point("train")  # the last one: from the first optimizer update on, the step ends
+        self.abort_point("train")  # before the first mini-batch's gradients
         batch, balance_metrics = self.balanced(batch)
         per_rank, nmb = self.minibatch_plan()
         actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
@@ -532,9 +532,17 @@ class RLTrainer:
         actor_records, critic_records = [], []
         for _ in range(c.actor.ppo_epochs):
             for mb in mini_batches(batch, per_rank, g):
-                actor_records.append(self.actor.update(mb, c.actor.loss, **actor_split))
+                # both roles' gradients first (independent models: the same numbers as one
+                # role after the other), so nothing has changed before the abort point below
+                actor = self.actor.compute_gradients(mb, c.actor.loss, **actor_split)
+                critic = None
                 if self.critic is not None:
-                    critic_records.append(self.critic.update(mb, c.critic.loss, **critic_split))
+                    critic = self.critic.compute_gradients(mb, c.critic.loss, **critic_split)
+                if not actor_records:  # the step's last abort point: the next line changes weights
+                    self.abort_point("train/optimizer_step")
+                actor_records.append(self.actor.apply_gradients(actor))
+                if critic is not None:
+                    critic_records.append(self.critic.apply_gradients(critic))
         self.nonfinite_in_a_row = nonfinite_streak(
             self.nonfinite_in_a_row,
             actor_records + critic_records,

@@ -68,10 +68,12 @@ def pretrain_update(trainer, groups, step: int) -> dict[str, float]:
     mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
     returns = compute_advantages(batch, group_index, mc, values).returns.float()
     batch, balance_metrics = trainer.balanced(batch.with_fields(returns=returns, old_values=values))
-    records = [
-        critic.update(mb, c.critic.loss, **micro_batching(c.critic, nmb))
-        for mb in mini_batches(batch, per_rank, trainer.update_generator(STAGE, step))
-    ]
+    records = []
+    for mb in mini_batches(batch, per_rank, trainer.update_generator(STAGE, step)):
+        gradients = critic.compute_gradients(mb, c.critic.loss, **micro_batching(c.critic, nmb))
+        if not records:  # the step's last abort point: the next line changes the critic
+            trainer.abort_point("train/optimizer_step")
+        records.append(critic.apply_gradients(gradients))
     trainer.nonfinite_in_a_row = nonfinite_streak(
         trainer.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
     )
@@ -92,7 +94,7 @@ def pretrain_step(trainer) -> dict[str, float]:
         trainer.value_pretrain_step += 1
         metrics.update(trainer.memory.end_step(trainer.value_pretrain_step, STAGE))
         return reduce_over_ranks({**metrics, "actor/skipped_update": 1.0})
-    trainer.abort_point("train")  # the last one: from the critic's first update on, it ends
+    trainer.abort_point("train")  # before the critic's values and gradients
     trainer.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
     with trainer.phase("train"):
         metrics.update(pretrain_update(trainer, groups, step))

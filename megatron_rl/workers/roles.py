@@ -216,7 +216,14 @@ class TrainableRole(MegatronRole):
         max_tokens: int | None = None,
     ) -> dict[str, float]:
         """One optimizer step on `batch` (this DP rank's rows of the global mini-batch)."""
-        metrics = self.compute_gradients(batch, cfg, num_microbatches, max_tokens)
+        return self.apply_gradients(
+            self.compute_gradients(batch, cfg, num_microbatches, max_tokens)
+        )
+
+    def apply_gradients(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The optimizer step on what `compute_gradients` accumulated (its `metrics`, which
+        come back with the step's added). Apart, so that a trainer can hold several roles'
+        gradients before it changes any weight (a stop request can still abort then)."""
         metrics["lr"] = current_lr(self.optimizer)  # this update's, before the schedule moves
         # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
         # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.

@@ -6,7 +6,7 @@ races on two cores).
 
 STAGE is train or value_pretrain, STEP the step (1-based) in which to ask, PHASE one of the
 trainer's abort points (`RLTrainer.abort_point`: rollout, experience/actor,
-experience/reference, experience/critic, train), rollout/score: the rating loop's check
+experience/reference, experience/critic, train, train/optimizer_step), rollout/score: the rating loop's check
 before it collects a chunk's scores, i.e. once the chunk is generated and its prompts drawn,
 or rollout/generate: the vLLM engine's second stop check inside its generation (after
 `ABORT_CHECK_STEPS` engine steps).

@@ -395,7 +395,8 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
         ("train:3:rollout/generate", 0, "rollout/generate"),  # inside vLLM's generation
         ("train:3:rollout/score", 0, "rollout/score"),  # generated, prompts drawn, not scored
         ("train:3:experience/critic", 0, "experience/critic"),  # old and ref log-probs made
-        ("train:2:train", 1, "train"),  # the step's start is the newest checkpoint already
+        # both roles' gradients made, no weight changed; the step's start is saved already
+        ("train:2:train/optimizer_step", 1, "train/optimizer_step"),
     ],
 )
 def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
