@@ -53,6 +53,23 @@ def plain_torchrun_warning(env=os.environ) -> str | None:
     )
 
 
+def grace_warning(what: str, seconds: float, grace_s: float | None) -> str | None:
+    """A warning when `what` took too much of the scheduler's grace time (`trainer.stop_grace_s`):
+    a save, more than half of it (a stop mid-step needs the abort's wait first); a whole stop
+    (`what` = "this stop"), more than all of it."""
+    if grace_s is None:
+        return None
+    limit = grace_s if what == "this stop" else grace_s / 2
+    if seconds <= limit:
+        return None
+    share = "all" if what == "this stop" else "half"
+    return (
+        f"warning: {what} took {seconds:.1f} s, more than {share} of trainer.stop_grace_s="
+        f"{grace_s:g}: a scheduler's SIGKILL would come first; give it a longer lead time "
+        "(docs/reliability.md, 'Choosing the signal's lead time')"
+    )
+
+
 class StopRequest:
     """`install()` first thing in a worker; `requested` at every step boundary."""
 

@@ -10,6 +10,7 @@ from megatron_rl.preemption import (
     STOP_FILE_ENV,
     StepAborted,
     StopRequest,
+    grace_warning,
     plain_torchrun_warning,
     request_stop,
 )
@@ -53,3 +54,12 @@ def test_plain_torchrun_gets_a_warning_naming_its_shutdown_timeout():
 def test_step_aborted_names_its_phase(phase):
     e = StepAborted(phase)
     assert e.phase == phase and phase in str(e)
+
+
+def test_grace_warnings_name_the_time_and_the_setting():
+    assert grace_warning("this save", 100.0, None) is None  # not known: nothing to compare
+    assert grace_warning("this save", 29.0, 60.0) is None
+    slow = grace_warning("this save", 31.0, 60.0)
+    assert "this save took 31.0 s, more than half of trainer.stop_grace_s=60" in slow
+    assert grace_warning("this stop", 59.0, 60.0) is None  # a whole stop may use all of it
+    assert "more than all of trainer.stop_grace_s=60" in grace_warning("this stop", 61.0, 60.0)

@@ -247,6 +247,12 @@ class TrainerConfig:
     """The watchdog (`trainer/watchdog.py`): a step (with its evaluation and save) running
     longer ends the run with where each rank is, the phase, and the ranks that did not
     arrive at a collective others wait in. None: off. Set it well above the slowest step."""
+    stop_grace_s: float | None = None
+    """The seconds the scheduler leaves between its stop signal and its SIGKILL (SLURM: the
+    lead time of `--signal=B:USR1@N`; Kubernetes: terminationGracePeriodSeconds; plain
+    torchrun: its shutdown timeout). A stop request mid-step waits for the phase in flight,
+    then saves (docs/reliability.md): every save that takes more than half of it is warned
+    about, and the abort line says when a stop used more than all of it. None: not known."""
     logger: tuple[str, ...] = ("console", "jsonl")
     """Where step metrics go, any of console, jsonl, tensorboard, wandb, mlflow (verl's
     name; `trainer/loggers.py`). output_dir/metrics.jsonl is written whatever the list."""
@@ -272,6 +278,8 @@ class TrainerConfig:
             raise ValueError(
                 f"step_timeout_s must be > 0 (or null: off), got {self.step_timeout_s}"
             )
+        if self.stop_grace_s is not None and not self.stop_grace_s > 0:
+            raise ValueError(f"stop_grace_s must be > 0 (or null), got {self.stop_grace_s}")
         if self.overwrite and self.resume:
             raise ValueError("overwrite: true replaces an earlier run, so it needs resume: false")
         unknown = [name for name in self.logger if name not in LOGGERS]

@@ -40,7 +40,12 @@ from megatron_rl.parallel.collectives import (
     data_parallel_min,
     reduce_over_ranks,
 )
-from megatron_rl.preemption import STOP, StepAborted, plain_torchrun_warning
+from megatron_rl.preemption import (
+    STOP,
+    StepAborted,
+    grace_warning,
+    plain_torchrun_warning,
+)
 from megatron_rl.rewards.pool import ModelParallelScoringPool
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
@@ -330,8 +335,13 @@ class RLTrainer:
         if self.saved_progress == progress:
             if self.ctx.rank == 0:
                 print(f"step {step} is the newest checkpoint already: nothing to save", flush=True)
-            return
-        self.save()
+        else:
+            self.save()
+        since = STOP.since  # None on a rank the request did not reach itself
+        if since is not None and self.ctx.rank == 0:
+            late = grace_warning("this stop", time.time() - since, self.config.trainer.stop_grace_s)
+            if late:
+                print(late, flush=True)
 
     @contextmanager
     def phase(self, name: str):
@@ -647,7 +657,11 @@ class RLTrainer:
         self.saved_progress = progress
         if self.ctx.rank == 0:
             # the save time: what a scheduler's signal lead time must leave room for
-            print(f"saved checkpoint {path} in {time.perf_counter() - started:.1f} s", flush=True)
+            seconds = time.perf_counter() - started
+            print(f"saved checkpoint {path} in {seconds:.1f} s", flush=True)
+            slow = grace_warning("this save", seconds, c.trainer.stop_grace_s)
+            if slow:
+                print(slow, flush=True)
 
     @in_phase("save_hf")
     def save_hf(self) -> Path:
