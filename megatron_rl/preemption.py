@@ -118,8 +118,9 @@ STOP = StopRequest()
 
 
 class StepAborted(Exception):
-    """A stop request ended a step before its first optimizer update. Raised on every rank
-    together, once they agree (a collective), so no rank is left inside a collective."""
+    """A stop request ended a step (before its first optimizer update, or with its updates
+    rewound: `trainer.rewindable_update`). Raised on every rank together, once they agree (a
+    collective), so no rank is left inside a collective."""
 
     def __init__(self, phase: str):
         super().__init__(f"a stop request ended the step during {phase}")

@@ -253,6 +253,13 @@ class TrainerConfig:
     torchrun: its shutdown timeout). A stop request mid-step waits for the phase in flight,
     then saves (docs/reliability.md): every save that takes more than half of it is warned
     about, and the abort line says when a stop used more than all of it. None: not known."""
+    rewindable_update: bool = True
+    """Copy each trained role's weights, optimizer state and schedule to host memory before
+    the step's first optimizer update when the step has several (`workers/rewind.py`), so a
+    stop request between mini-batches rewinds them and saves the step's start within one
+    mini-batch. Costs host memory of the weights and the optimizer shard per role and GPU,
+    and a device-to-host copy of them per step. False: such a request waits for the update
+    to end."""
     logger: tuple[str, ...] = ("console", "jsonl")
     """Where step metrics go, any of console, jsonl, tensorboard, wandb, mlflow (verl's
     name; `trainer/loggers.py`). output_dir/metrics.jsonl is written whatever the list."""

@@ -114,20 +114,20 @@ def _start_writer_queue() -> None:
         filesystem_async._results_queue = manager.Queue()
 
 
-def _inner_optimizers(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
     """The torch optimizers inside megatron's (one, or one per chained optimizer)."""
     return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
 
 
 def has_stepped(optimizer) -> bool:
     """Whether the optimizer holds state, which torch's Adam creates at its first step."""
-    return any(len(inner.state) > 0 for inner in _inner_optimizers(optimizer))
+    return any(len(inner.state) > 0 for inner in inner_optimizers(optimizer))
 
 
 def reset_to_unstepped(optimizer) -> None:
     """No Adam state, and master weights (bf16 training) copied from the model's: the
     optimizer as built, around the model's current weights."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         inner.state.clear()
     optimizer.reload_model_params()
 

@@ -77,7 +77,7 @@ from megatron_rl.trainer.experience import (
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
-from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak
+from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak, optimizer_steps
 from megatron_rl.trainer.value_pretrain import run_value_pretraining
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
@@ -539,20 +539,14 @@ class RLTrainer:
         per_rank, nmb = self.minibatch_plan()
         actor_split, critic_split = micro_batching(c.actor, nmb), micro_batching(c.critic, nmb)
         g = self.update_generator("train", step)
-        actor_records, critic_records = [], []
-        for _ in range(c.actor.ppo_epochs):
-            for mb in mini_batches(batch, per_rank, g):
-                # both roles' gradients first (independent models: the same numbers as one
-                # role after the other), so nothing has changed before the abort point below
-                actor = self.actor.compute_gradients(mb, c.actor.loss, **actor_split)
-                critic = None
-                if self.critic is not None:
-                    critic = self.critic.compute_gradients(mb, c.critic.loss, **critic_split)
-                if not actor_records:  # the step's last abort point: the next line changes weights
-                    self.abort_point("train/optimizer_step")
-                actor_records.append(self.actor.apply_gradients(actor))
-                if critic is not None:
-                    critic_records.append(self.critic.apply_gradients(critic))
+        roles = [(self.actor, c.actor.loss, actor_split)]
+        if self.critic is not None:
+            roles.append((self.critic, c.critic.loss, critic_split))
+        epochs = c.actor.ppo_epochs
+        batches = (mb for _ in range(epochs) for mb in mini_batches(batch, per_rank, g))
+        count = epochs * (len(batch) // per_rank)
+        records, rewind_metrics = optimizer_steps(self, roles, batches, count)
+        actor_records, critic_records = records[0], records[1] if self.critic is not None else []
         self.nonfinite_in_a_row = nonfinite_streak(
             self.nonfinite_in_a_row,
             actor_records + critic_records,
@@ -563,6 +557,7 @@ class RLTrainer:
         metrics.update(mean_metrics(critic_records, "critic/"))
         metrics["actor/num_updates"] = float(len(actor_records))
         metrics.update(balance_metrics)
+        metrics.update(rewind_metrics)
         return metrics
 
     def train_step(self) -> dict[str, float]:

@@ -20,7 +20,7 @@ from megatron_rl.trainer.experience import (
     forward_micro_batching,
     micro_batching,
 )
-from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak
+from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak, optimizer_steps
 
 PRETRAIN_EV_WINDOW = 5
 STAGE = "value_pretrain"
@@ -68,12 +68,9 @@ def pretrain_update(trainer, groups, step: int) -> dict[str, float]:
     mc = replace(c.algorithm, estimator="gae", lambda_critic=1.0, kl_coef=0.0)
     returns = compute_advantages(batch, group_index, mc, values).returns.float()
     batch, balance_metrics = trainer.balanced(batch.with_fields(returns=returns, old_values=values))
-    records = []
-    for mb in mini_batches(batch, per_rank, trainer.update_generator(STAGE, step)):
-        gradients = critic.compute_gradients(mb, c.critic.loss, **micro_batching(c.critic, nmb))
-        if not records:  # the step's last abort point: the next line changes the critic
-            trainer.abort_point("train/optimizer_step")
-        records.append(critic.apply_gradients(gradients))
+    roles = [(critic, c.critic.loss, micro_batching(c.critic, nmb))]
+    batches = mini_batches(batch, per_rank, trainer.update_generator(STAGE, step))
+    (records,), rewind_metrics = optimizer_steps(trainer, roles, batches, len(batches))
     trainer.nonfinite_in_a_row = nonfinite_streak(
         trainer.nonfinite_in_a_row, records, c.trainer.max_nonfinite_in_a_row
     )
@@ -81,6 +78,7 @@ def pretrain_update(trainer, groups, step: int) -> dict[str, float]:
     metrics = mean_metrics(records, "critic/")
     metrics["critic/vf_explained_var"] = data_parallel_explained_variance(values, returns, mask)
     metrics.update(balance_metrics)
+    metrics.update(rewind_metrics)
     return metrics
 
 

@@ -17,6 +17,7 @@ from megatron_rl.parallel.collectives import data_parallel_sum, global_token_cou
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.offload import ParamOffload
 from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
+from megatron_rl.workers.rewind import UpdateSnapshot
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
 
 BATCH_SHARES = frozenset({
@@ -129,6 +130,8 @@ class TrainableRole(MegatronRole):
         wrapped, self.optimizer, self.scheduler = wrap_ddp_and_optimizer(chunks, self.optim)
         super().__init__(arch=arch, layout=layout, chunks=wrapped, precision=precision)
         self.offloaded: set[str] = set()
+        self.update_snapshot = UpdateSnapshot()
+        """Where the step's updates can be rewound to (`snapshot_updates`)."""
 
     def offload(self, grads: bool = False, optimizer: bool = False, params: bool = False) -> None:
         """Free memory for the rollout engine until the next update (megatron-core's RL
@@ -157,6 +160,14 @@ class TrainableRole(MegatronRole):
         if "optimizer" in self.offloaded:
             self.optimizer.restore_from_cpu()
         self.offloaded.clear()
+
+    def snapshot_updates(self) -> None:
+        """Copy the weights, optimizer state and schedule to host memory (`workers/rewind.py`):
+        `rewind_updates` puts them back, undoing every optimizer step taken since."""
+        self.update_snapshot.take(self.chunks, self.optimizer, self.scheduler)
+
+    def rewind_updates(self) -> None:
+        self.update_snapshot.restore(self.chunks, self.optimizer, self.scheduler)
 
     def loss(self, cfg, counts: torch.Tensor, mb: TrainingBatch, output):
         """(loss normalised by the global `counts`, metrics) for one micro-batch."""

@@ -166,6 +166,40 @@ def final_state(out: Path) -> dict:
     return json.loads((root / (root / "latest").read_text() / "trainer_state.json").read_text())
 
 
+def requeue_and_finish(cluster, job_id: str, out: Path) -> None:
+    """After a USR1 to the batch script: wait for the requeue, start the job again at once
+    and wait for it to complete (its one restart)."""
+    cluster.wait(
+        job_id, out, lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1", "requeued"
+    )
+    # Skip SLURM's ~2 min requeue hold, but not the nodes' clean-up of the last start: a
+    # slurmd refuses a start within a second of revoking that job's credential ("Job
+    # credential revoked", the job ends FAILED), so wait for idle nodes and a few seconds.
+    cluster.wait(job_id, out, lambda j: cluster.idle(), "back to idle nodes")
+    time.sleep(3)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    job = cluster.wait(job_id, out, lambda j: j["JobState"] in ("COMPLETED", "FAILED"), "done")
+    log = (out / "job.out").read_text()
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-5000:]
+    assert job["Restarts"] == "1"
+    assert not re.search(r"Traceback", log), log[-5000:]
+
+
+def same_steps_as(out: Path, reference_out: Path) -> None:
+    """Each step logged once, with the metrics of the reference run's (rtol 1e-4), and the
+    same final data position."""
+    rows, reference = train_rows(out), train_rows(reference_out)
+    assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))  # each step once
+    for got, ref in zip(rows, reference, strict=True):
+        keys = sorted(k for k in ref if k != "stage" and not k.startswith(NOT_COMPARED))
+        torch.testing.assert_close(
+            numbers(got, keys),
+            numbers(ref, keys),
+            rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m, s=ref["step"]: f"step {s}: {m}",
+        )  # fmt: skip
+    assert final_state(out)["data"] == final_state(reference_out)["data"]
+
+
 def test_two_nodes_one_process_each_train_through_the_script_rendezvous(uninterrupted):
     job, out = uninterrupted
     log = (out / "job.out").read_text()
@@ -190,20 +224,8 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
     job_id = cluster.submit(out, *model_args(tiny_model_dir))
     cluster.wait(job_id, out, lambda j: len(train_rows(out)) >= 2, "past two steps")
     cluster.run("scancel", "--signal=USR1", "--batch", job_id)
-    cluster.wait(
-        job_id, out, lambda j: j["JobState"] == "PENDING" and j["Restarts"] == "1", "requeued"
-    )
-    # Skip SLURM's ~2 min requeue hold, but not the nodes' clean-up of the last start: a
-    # slurmd refuses a start within a second of revoking that job's credential ("Job
-    # credential revoked", the job ends FAILED), so wait for idle nodes and a few seconds.
-    cluster.wait(job_id, out, lambda j: cluster.idle(), "back to idle nodes")
-    time.sleep(3)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-    job = cluster.wait(job_id, out, lambda j: j["JobState"] in ("COMPLETED", "FAILED"), "done")
+    requeue_and_finish(cluster, job_id, out)
     log = (out / "job.out").read_text()
-    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log[-5000:]
-    assert job["Restarts"] == "1"
-
     assert "USR1: the workers save their last step boundary and stop" in log
     # saved: the pretrained critic, the pre-emption's checkpoint, the last step's
     pretrained, saved, last = re.findall(r"saved checkpoint \S+/(step_\d+)", log)
@@ -216,18 +238,35 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
     assert f"requeueing job {job_id} (checkpoint {saved})" in log
     assert f"job {job_id} start 1 on n[1-2], from checkpoint: {saved}" in log
     assert re.search(rf"resumed from \S+/{saved} \(step {stopped_at}\)", log)
-    assert not re.search(r"Traceback", log), log[-5000:]
+    same_steps_as(out, uninterrupted[1])
 
-    rows, reference = train_rows(out), train_rows(uninterrupted[1])
-    assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))  # each step once
-    for got, ref in zip(rows, reference, strict=True):
-        keys = sorted(k for k in ref if k != "stage" and not k.startswith(NOT_COMPARED))
-        torch.testing.assert_close(
-            numbers(got, keys),
-            numbers(ref, keys),
-            rtol=1e-4, atol=1e-5, equal_nan=True, msg=lambda m, s=ref["step"]: f"step {s}: {m}",
-        )  # fmt: skip
-    assert final_state(out)["data"] == final_state(uninterrupted[1])["data"]
+
+def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
+    cluster, uninterrupted, tiny_model_dir, tmp_path
+):
+    """#44: the signal lands inside vLLM's generation of PPO step 3 (held there until the
+    signal comes: tests/slurm/hold_generation), through the batch script's trap and stop
+    file as in production: the workers abort the generation, save step 2 (the step's start),
+    the job requeues and the next start redoes step 3; every step's metrics and the data
+    position equal the uninterrupted run's."""
+    out = tmp_path / "run"
+    marker = tmp_path / "held"
+    job_id = cluster.submit(
+        out,
+        *model_args(tiny_model_dir),
+        PYTHONPATH=f"{REPO / 'tests' / 'slurm' / 'hold_generation'}:{REPO}",
+        MEGATRON_RL_HOLD_AT="train:3:rollout/generate",
+        MEGATRON_RL_HOLD_MARKER=str(marker),
+    )
+    cluster.wait(job_id, out, lambda j: marker.exists(), "inside step 3's generation")
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    requeue_and_finish(cluster, job_id, out)
+    log = (out / "job.out").read_text()
+    assert "train step 3 aborted in rollout/generate" in log, log[-5000:]
+    boundary = f"step_{PRETRAIN_STEPS + 2:06d}"
+    assert f"requeueing job {job_id} (checkpoint {boundary})" in log
+    assert re.search(rf"resumed from \S+/{boundary} \(step 2\)", log)
+    same_steps_as(out, uninterrupted[1])
 
 
 def test_a_signal_before_the_workers_start_is_honoured_and_a_start_without_progress_ends(

@@ -6,37 +6,35 @@ races on two cores).
 
 STAGE is train or value_pretrain, STEP the step (1-based) in which to ask, PHASE one of the
 trainer's abort points (`RLTrainer.abort_point`: rollout, experience/actor,
-experience/reference, experience/critic, train, train/optimizer_step), rollout/score: the rating loop's check
-before it collects a chunk's scores, i.e. once the chunk is generated and its prompts drawn,
-or rollout/generate: the vLLM engine's second stop check inside its generation (after
-`ABORT_CHECK_STEPS` engine steps).
-Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks whether
-anyone wants to stop, as the launcher would on a SIGTERM.
+experience/reference, experience/critic, train, train/optimizer_step, train/mini_batch: the
+first later mini-batch's), rollout/score: the rating loop's check before it collects a
+chunk's scores, i.e. once the chunk is generated and its prompts drawn, or rollout/generate:
+the vLLM engine's second stop check inside its generation (after `ABORT_CHECK_STEPS` engine
+steps). Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks
+whether anyone wants to stop, as the launcher would on a SIGTERM.
+
+`install(stop_at, ask)` sets the same hooks with another action at that point (the SLURM
+test holds the generation there until the scheduler's real signal arrives:
+tests/slurm/hold_generation/sitecustomize.py).
 """
 
 import argparse
+from collections.abc import Callable
 
-from megatron_rl.cli import train
-from megatron_rl.preemption import request_stop, stop_file
+from megatron_rl.preemption import STOP, request_stop, stop_file
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.trainer.runner import RLTrainer
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--stop-at", required=True)
-    a, rest = p.parse_known_args()
-    stage, step, phase = a.stop_at.split(":")
+def install(stop_at: str, ask: Callable[[], None]) -> None:
+    """Call `ask()` on rank 0 when the run reaches `stop_at` (STAGE:STEP:PHASE), right before
+    that point asks whether anyone wants to stop."""
+    stage, step, phase = stop_at.split(":")
 
     def arrived(trainer: RLTrainer) -> bool:
         in_stage = "value_pretrain" if not trainer.value_pretrain_done else "train"
         current = trainer.value_pretrain_step if in_stage == "value_pretrain" else trainer.step
         return in_stage == stage and current + 1 == int(step) and trainer.ctx.rank == 0
-
-    def ask() -> None:
-        path = stop_file()
-        if not path.exists():
-            request_stop(path, f"stop_in_phase {a.stop_at}")
 
     abort_point, in_replica = RLTrainer.abort_point, RLTrainer.stop_requested_in_replica
     calls = {"n": 0}
@@ -71,13 +69,30 @@ def main() -> None:
             armed["n"] += 1
             if armed["n"] == 2:
                 ask()
-                flag = True  # as the engine's own `should_stop()` would now answer
+                flag = flag or STOP.requested  # as the engine's own `should_stop()` now would
         return any_engine_rank(flag)
 
     RLTrainer.abort_point = abort_point_asking
     RLTrainer.stop_requested_in_replica = in_replica_asking
     RLTrainer.generate_and_score = generate_and_score_arming
     VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stop-at", required=True)
+    a, rest = p.parse_known_args()
+
+    def ask() -> None:
+        path = stop_file()
+        if not path.exists():
+            request_stop(path, f"stop_in_phase {a.stop_at}")
+
+    install(a.stop_at, ask)
+    # imported here: the SLURM test's sitecustomize imports this module before runpy runs
+    # `-m megatron_rl.cli.train`, which must not find that module imported already
+    from megatron_rl.cli import train
+
     train.main(rest)
 
 

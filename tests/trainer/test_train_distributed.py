@@ -397,13 +397,15 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
         ("train:3:experience/critic", 0, "experience/critic"),  # old and ref log-probs made
         # both roles' gradients made, no weight changed; the step's start is saved already
         ("train:2:train/optimizer_step", 1, "train/optimizer_step"),
+        # after the first of the step's two mini-batches: its updates rewound, then saved
+        ("train:3:train/mini_batch", 0, "train/mini_batch"),
     ],
 )
 def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
     stop_at, save_interval, aborted_in, vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
-    """A stop request inside a step (#44) aborts it before its first optimizer update: every
-    rank exits 0 at once, the checkpoint is the step's start (data position rewound, RNG put
+    """A stop request inside a step (#44) aborts it (after an optimizer update: rewound to
+    the copy taken before the step's first, `trainer.rewindable_update`): every rank exits 0 at once, the checkpoint is the step's start (data position rewound, RNG put
     back), and the resumed run logs the same steps, metrics and final weights as the
     uninterrupted one. Resumed from the end of value pretraining of the shared run."""
     run = as_value_pretraining_ended(vapo_run, tmp_path / "run")
@@ -431,6 +433,8 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         sep="\n",
     )
     assert f"train step {step} aborted in {aborted_in}" in first, first[-4000:]
+    rewound = "rewinding the step's 1 optimizer update(s)" in first
+    assert rewound == (aborted_in == "train/mini_batch")
     if save_interval:
         assert f"step {step - 1} is the newest checkpoint already: nothing to save" in first
     else:

@@ -196,3 +196,21 @@ def test_replicated_parameters_gradients_are_summed_over_tensor_parallel_ranks(
     assert relative_max_diff(reference, family_results[layout]["grads"]["token-mean+nll"]) <= 1e-5
     critic = family_results["dp2-mb2"]["critic_grads"]
     assert relative_max_diff(critic, family_results[layout]["critic_grads"]) <= 1e-5
+
+
+def test_a_rewind_undoes_the_updates_since_the_snapshot_bit_for_bit(tiny_model_dir, tmp_path):
+    """#44's stop between mini-batches: `snapshot_updates` then `rewind_updates` puts back the
+    weights, Adam state and learning-rate schedule of the snapshot (an unstepped optimizer
+    loses the state its updates made; the state's tensor objects may have been replaced, as
+    megatron's optimizer offload does), and redoing the updates gives the same bits."""
+    out = tmp_path / "rewind.pt"
+    run_torchrun(
+        "tests.torchrun.update_rewind", ["--hf-dir", str(tiny_model_dir), "--out", str(out)]
+    )
+    s = torch.load(out)
+    assert s["start_has_no_adam_state"] and s["after_two_has_adam_state"]
+    assert s["weights_moved"] and s["lr_moved"]  # the rewinds below had something to undo
+    assert s["rewound_unstepped"] and s["rewound_stepped"]
+    assert s["redone_metrics"] and s["redone_state"]
+    assert s["lr_rewound"] == s["lr_after_two"]
+    assert s["host_buffers_reused"] and s["host_bytes"] > 0
