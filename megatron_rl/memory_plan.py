@@ -201,6 +201,17 @@ class MemoryPlan:
         return sum(self.states[k] for k in self.config.offload)
 
     @property
+    def rewind_host_bytes(self) -> int:
+        """Host memory of the copy that lets a stop request rewind a step's updates
+        (`trainer.rewindable_update`, `workers/rewind.py`): each trained role's weights and
+        optimizer state (masters and moments, its shard with the distributed optimizer)."""
+        return sum(
+            self.states.get(f"{role}_{kind}", 0)
+            for role in ("actor", "critic")
+            for kind in ("weights", "optimizer")
+        )
+
+    @property
     def rollout_bytes(self) -> int:
         """Generation: the states still on the device plus vLLM's share."""
         return self.states_bytes - self.offloaded_bytes + self.vllm_bytes
@@ -416,4 +427,5 @@ def summary_row(plan: MemoryPlan) -> dict[str, object]:
     row["peak_gib"] = gib(plan.peak_bytes)
     row["margin_gib"] = gib(plan.margin_bytes)
     row["fits"] = plan.fits
+    row["rewind_host_gib"] = gib(plan.rewind_host_bytes)
     return row

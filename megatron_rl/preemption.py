@@ -10,19 +10,23 @@ before the workers exist at all is still there when they start.
 The trainer looks for a request at its abort points (`RLTrainer.abort_point`): inside vLLM's
 generation, between the rollout's chunks, after the rollout, before each role's experience
 forward, before the update and once the first mini-batch's gradients are computed, before
-any weight changes. Once the ranks agree that some rank saw one, every rank raises
-`StepAborted` together and the trainer saves the state of the step's start. From the first
-optimizer step on, the step is finished instead, and saved.
+any weight changes, and before each later mini-batch (its updates then rewound:
+`trainer.rewindable_update`). Once the ranks agree that some rank saw one, every rank raises
+`StepAborted` together and the trainer saves the state of the step's start. A request one
+process sees reaches the others through torch.distributed's store (`share_through`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 STOP_FILE_ENV = "MEGATRON_RL_STOP_FILE"
+SHARED_KEY = "megatron_rl/stop_request"
+"""The key of a request published in torch.distributed's store (`StopRequest.share_through`)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -71,11 +75,21 @@ def grace_warning(what: str, seconds: float, grace_s: float | None) -> str | Non
 
 
 class StopRequest:
-    """`install()` first thing in a worker; `requested` at every step boundary."""
+    """`install()` first thing in a worker; `requested` at every step boundary and abort point.
+
+    `share_through(store)` (once torch.distributed is up) makes a request one process sees
+    visible to all: the first time `reason` finds one here (a signal only this process got,
+    say: a pre-empted node's workers under plain torchrun), it writes it to the job's
+    key-value store, and every other process's `reason` reads it from there at its next
+    check. So a replica still generating aborts at its next check instead of finishing its
+    rollout before the world agrees (the stop file does the same where every node sees it)."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
         self.signal_time: float | None = None
+        self.store = None
+        self.rank: int | None = None
+        self.published = False
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -86,27 +100,61 @@ class StopRequest:
             self.signal_time = time.time()
         self.signal = signal.Signals(signum).name
 
-    @property
-    def since(self) -> float | None:
-        """When the request was made (the signal's arrival, or the stop file's mtime), in
-        `time.time()` seconds; None when there is none here."""
-        if self.signal_time is not None:
-            return self.signal_time
+    def share_through(self, store, rank: int) -> None:
+        """Publish and read requests through `store` (torch.distributed's, rank `rank`)."""
+        self.store, self.rank, self.published = store, rank, False
+
+    def _local(self) -> tuple[str, float | None] | None:
+        """(reason, since) of a request made to this process itself, or None."""
+        if self.signal is not None:
+            return self.signal, self.signal_time
         path = stop_file()
+        if path is None:
+            return None
         try:
-            return path.stat().st_mtime if path is not None else None
+            return f"stop file {path}", path.stat().st_mtime
         except FileNotFoundError:
             return None
 
+    def _publish(self, local: tuple[str, float | None]) -> None:
+        if self.store is None or self.published:
+            return
+        reason, since = local
+        self.store.set(
+            SHARED_KEY, json.dumps({"reason": f"{reason} on rank {self.rank}", "since": since})
+        )
+        self.published = True
+
+    def _shared(self) -> tuple[str, float | None] | None:
+        """The request some process published, or None. Store calls are made here, in the
+        main thread at a check, never in the signal handler."""
+        if self.store is None or not self.store.check([SHARED_KEY]):
+            return None
+        record = json.loads(self.store.get(SHARED_KEY))
+        return record["reason"], record["since"]
+
+    def _found(self) -> tuple[str, float | None] | None:
+        """(reason, since) of the request this process obeys: its own (published the first
+        time it is seen), else one another process published, else None."""
+        local = self._local()
+        if local is not None:
+            self._publish(local)
+            return local
+        return self._shared()
+
+    @property
+    def since(self) -> float | None:
+        """When the request was made (the signal's arrival, or the stop file's mtime), in
+        `time.time()` seconds; None when there is none."""
+        found = self._found()
+        return found[1] if found else None
+
     @property
     def reason(self) -> str | None:
-        """What asked this process to stop (a signal's name, or the stop file), or None."""
-        if self.signal is not None:
-            return self.signal
-        path = stop_file()
-        if path is not None and path.exists():
-            return f"stop file {path}"
-        return None
+        """What asked this process to stop (a signal's name, the stop file, or a request
+        another rank published: "SIGTERM on rank 3"), or None."""
+        found = self._found()
+        return found[0] if found else None
 
     @property
     def requested(self) -> bool:

@@ -167,6 +167,45 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_rewind_undoes_bf16_updates_bit_for_bit(
+    single_rank, tiny_model_dir, distributed_optimizer
+):
+    """#44's rewind on the GPU path: bf16 parameters with fp32 masters (the distributed
+    optimizer's shards, or megatron's Float16 optimizer), the copy in pinned host memory, the
+    optimizer offloaded and brought back between the copy and the rewind (new tensor objects).
+    After the rewind, redoing the updates equals an actor that never rewound."""
+    from megatron_rl.workers.optimizer import OptimConfig
+
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    optim = OptimConfig(lr=1e-3, lr_warmup_steps=4, use_distributed_optimizer=distributed_optimizer)
+    batch = cuda_global_batch(arch)
+    loss = PolicyLossConfig()
+    plain = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
+    rewound = Actor(
+        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
+    )
+    for actor in (plain, rewound):
+        actor.update(batch, loss, num_microbatches=2)
+    rewound.snapshot_updates()
+    assert all(h.is_pinned() for h in rewound.update_snapshot.host)
+    for _ in range(2):
+        rewound.update(batch, loss, num_microbatches=2)
+    rewound.offload(optimizer=True)
+    rewound.restore_offloaded()
+    rewound.rewind_updates()
+    for a, b in zip(plain.chunks[0].parameters(), rewound.chunks[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for _ in range(2):
+        for actor in (plain, rewound):
+            actor.update(batch, loss, num_microbatches=2)
+    for a, b in zip(plain.chunks[0].parameters(), rewound.chunks[0].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl(
     single_rank, tiny_model_dir
 ):

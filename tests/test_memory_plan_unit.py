@@ -186,6 +186,24 @@ def test_fp8_weight_copies_are_not_parameters_and_stay():
     assert plan.offloaded_bytes == 2 * n
 
 
+def test_the_rewind_copy_is_the_trained_roles_weights_and_optimizer_shards():
+    """`trainer.rewindable_update`'s host copy: no gradients, no reference, and the optimizer
+    part shrinks with the distributed optimizer's DP sharding."""
+    arch = preset_arch("qwen2.5-7b")
+    layout = dict(tensor_model_parallel_size=4, data_parallel_size=4, params_dtype="bf16")
+    plans = {
+        sharded: plan_memory(arch, MemoryPlanConfig(**layout, use_distributed_optimizer=sharded))
+        for sharded in (False, True)
+    }
+    for plan in plans.values():
+        s = plan.states
+        copied = s["actor_weights"] + s["actor_optimizer"] + s["critic_weights"]
+        assert plan.rewind_host_bytes == copied + s["critic_optimizer"]
+    n = plans[True].params_per_gpu["actor"]
+    assert plans[False].states["actor_optimizer"] == 12 * n  # fp32 masters and two moments
+    assert plans[True].states["actor_optimizer"] == 3 * n  # ... over 4 DP ranks
+
+
 def test_the_32b_recipe_with_offload_generates_on_the_vllm_share_alone(capsys):
     argv = ["--model", "qwen2.5-32b", "--recipe", str(RECIPE_32B), "--dp", "8", "--json"]
     assert plan_main(argv) == 0

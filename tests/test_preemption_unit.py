@@ -3,10 +3,13 @@ that plain torchrun started."""
 
 import os
 import signal
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from megatron_rl.preemption import (
+    SHARED_KEY,
     STOP_FILE_ENV,
     StepAborted,
     StopRequest,
@@ -39,6 +42,23 @@ def test_a_stop_file_is_a_request_dated_by_the_file(monkeypatch, tmp_path):
     assert not stop.requested and stop.since is None
     request_stop(path, "SIGTERM to the launcher")
     assert stop.reason == f"stop file {path}" and stop.since == path.stat().st_mtime
+
+
+def test_a_request_one_process_sees_reaches_the_others_through_the_jobs_store(monkeypatch):
+    """Two ranks' StopRequests on one real TCPStore (what torchrun's workers share): a signal
+    only rank 1 got is published at its first check and read by rank 0 at its next, with the
+    signal's time; nothing is published before, and rank 1 keeps its own reason."""
+    monkeypatch.delenv(STOP_FILE_ENV, raising=False)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    rank0, rank1 = StopRequest(), StopRequest()
+    rank0.share_through(server, 0)
+    rank1.share_through(client, 1)
+    assert not rank0.requested and not rank1.requested and rank0.since is None
+    rank1._on_signal(signal.SIGTERM, None)  # as its handler does; the store is not touched there
+    assert not server.check([SHARED_KEY])
+    assert rank1.reason == "SIGTERM"  # its first check publishes it
+    assert rank0.reason == "SIGTERM on rank 1" and rank0.since == rank1.since is not None
 
 
 def test_plain_torchrun_gets_a_warning_naming_its_shutdown_timeout():

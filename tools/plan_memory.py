@@ -106,6 +106,7 @@ def breakdown(plan) -> str:
     lines.append(f"  {'vllm (generation)':<22} {plan.vllm_bytes / GiB:8.2f} GiB")
     away = ", ".join(plan.config.offload) or "nothing"
     lines.append(f"  offloaded while generating: {away} ({plan.offloaded_bytes / GiB:.2f} GiB)")
+    lines.append(f"  host copy to rewind a step's updates: {plan.rewind_host_bytes / GiB:.2f} GiB")
     usable = plan.usable_bytes
     for name, n in (("train", plan.train_bytes), ("rollout", plan.rollout_bytes)):
         lines.append(

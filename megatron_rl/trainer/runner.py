@@ -280,6 +280,7 @@ class RLTrainer:
         self.saved_progress: int | None = None
         """The progress (value-pretraining + PPO steps) of the last save or resume."""
         STOP.install()  # again: `megatron_rl.cli.train` installs it first thing
+        STOP.share_through(default_store(), self.ctx.rank)  # a request one rank sees reaches all
         warning = plain_torchrun_warning()
         if warning and self.ctx.rank == 0:
             print(warning, flush=True)
@@ -337,7 +338,7 @@ class RLTrainer:
                 print(f"step {step} is the newest checkpoint already: nothing to save", flush=True)
         else:
             self.save()
-        since = STOP.since  # None on a rank the request did not reach itself
+        since = STOP.since  # None on a rank the request did not reach yet
         if since is not None and self.ctx.rank == 0:
             late = grace_warning("this stop", time.time() - since, self.config.trainer.stop_grace_s)
             if late:

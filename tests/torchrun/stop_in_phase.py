@@ -13,12 +13,19 @@ the vLLM engine's second stop check inside its generation (after `ABORT_CHECK_ST
 steps). Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks
 whether anyone wants to stop, as the launcher would on a SIGTERM.
 
-`install(stop_at, ask)` sets the same hooks with another action at that point (the SLURM
+    --signal-rank R: instead, rank R sends itself SIGUSR1 at that point (a signal only it
+    gets: no stop file) and every other rank waits there until the request reaches it
+    through the job's store (`StopRequest.share_through`): still generating, say.
+
+`install(stop_at, at_point)` sets the same hooks with another action at that point (the SLURM
 test holds the generation there until the scheduler's real signal arrives:
 tests/slurm/hold_generation/sitecustomize.py).
 """
 
 import argparse
+import os
+import signal
+import time
 from collections.abc import Callable
 
 from megatron_rl.preemption import STOP, request_stop, stop_file
@@ -26,15 +33,20 @@ from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.trainer.runner import RLTrainer
 
 
-def install(stop_at: str, ask: Callable[[], None]) -> None:
-    """Call `ask()` on rank 0 when the run reaches `stop_at` (STAGE:STEP:PHASE), right before
-    that point asks whether anyone wants to stop."""
+def install(stop_at: str, at_point: Callable[[int], None]) -> None:
+    """Call `at_point(rank)` on every rank when the run reaches `stop_at`
+    (STAGE:STEP:PHASE), right before that point asks whether anyone wants to stop."""
     stage, step, phase = stop_at.split(":")
+    rank = {"r": None}
 
     def arrived(trainer: RLTrainer) -> bool:
+        rank["r"] = trainer.ctx.rank
         in_stage = "value_pretrain" if not trainer.value_pretrain_done else "train"
         current = trainer.value_pretrain_step if in_stage == "value_pretrain" else trainer.step
-        return in_stage == stage and current + 1 == int(step) and trainer.ctx.rank == 0
+        return in_stage == stage and current + 1 == int(step)
+
+    def ask() -> None:
+        at_point(rank["r"])
 
     abort_point, in_replica = RLTrainer.abort_point, RLTrainer.stop_requested_in_replica
     calls = {"n": 0}
@@ -78,17 +90,31 @@ def install(stop_at: str, ask: Callable[[], None]) -> None:
     VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
 
 
+def wait_for_request(timeout_s: float = 120.0) -> None:
+    deadline = time.time() + timeout_s
+    while not STOP.requested:
+        if time.time() > deadline:
+            raise RuntimeError(f"no stop request reached this rank in {timeout_s} s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--stop-at", required=True)
+    p.add_argument("--signal-rank", type=int)
     a, rest = p.parse_known_args()
 
-    def ask() -> None:
-        path = stop_file()
-        if not path.exists():
-            request_stop(path, f"stop_in_phase {a.stop_at}")
+    def at_point(rank: int) -> None:
+        if a.signal_rank is None:
+            path = stop_file()
+            if rank == 0 and not path.exists():
+                request_stop(path, f"stop_in_phase {a.stop_at}")
+        elif rank == a.signal_rank:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        else:
+            wait_for_request()
 
-    install(a.stop_at, ask)
+    install(a.stop_at, at_point)
     # imported here: the SLURM test's sitecustomize imports this module before runpy runs
     # `-m megatron_rl.cli.train`, which must not find that module imported already
     from megatron_rl.cli import train

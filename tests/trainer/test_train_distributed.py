@@ -390,24 +390,29 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
 
 @pytest.mark.e2e  # two CLIs per case after the shared run: the journeys' tier
 @pytest.mark.parametrize(
-    ("stop_at", "save_interval", "aborted_in"),
+    ("stop_at", "save_interval", "aborted_in", "signal_rank"),
     [
-        ("train:3:rollout/generate", 0, "rollout/generate"),  # inside vLLM's generation
-        ("train:3:rollout/score", 0, "rollout/score"),  # generated, prompts drawn, not scored
-        ("train:3:experience/critic", 0, "experience/critic"),  # old and ref log-probs made
+        ("train:3:rollout/generate", 0, "rollout/generate", None),  # inside vLLM's generation
+        # a SIGUSR1 to rank 1 alone, while rank 0 is still generating: it reaches rank 0
+        # through the job's store, whose generation aborts too
+        ("train:3:rollout/generate", 0, "rollout/generate", 1),
+        ("train:3:rollout/score", 0, "rollout/score", None),  # generated, prompts drawn
+        ("train:3:experience/critic", 0, "experience/critic", None),  # old and ref log-probs made
         # both roles' gradients made, no weight changed; the step's start is saved already
-        ("train:2:train/optimizer_step", 1, "train/optimizer_step"),
+        ("train:2:train/optimizer_step", 1, "train/optimizer_step", None),
         # after the first of the step's two mini-batches: its updates rewound, then saved
-        ("train:3:train/mini_batch", 0, "train/mini_batch"),
+        ("train:3:train/mini_batch", 0, "train/mini_batch", None),
     ],
 )
 def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
-    stop_at, save_interval, aborted_in, vapo_run, tiny_model_dir, labelled_prompts, tmp_path
-):
+    stop_at, save_interval, aborted_in, signal_rank, vapo_run, tiny_model_dir, labelled_prompts,
+    tmp_path,
+):  # fmt: skip
     """A stop request inside a step (#44) aborts it (after an optimizer update: rewound to
-    the copy taken before the step's first, `trainer.rewindable_update`): every rank exits 0 at once, the checkpoint is the step's start (data position rewound, RNG put
-    back), and the resumed run logs the same steps, metrics and final weights as the
-    uninterrupted one. Resumed from the end of value pretraining of the shared run."""
+    the copy taken before the step's first, `trainer.rewindable_update`): every rank exits 0
+    at once, the checkpoint is the step's start (data position rewound, RNG put back), and
+    the resumed run logs the same steps, metrics and final weights as the uninterrupted one.
+    Resumed from the end of value pretraining of the shared run."""
     run = as_value_pretraining_ended(vapo_run, tmp_path / "run")
     root = run / "checkpoints"
     overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
@@ -416,7 +421,9 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     stop = tmp_path / "stop"
     first = run_torchrun(
         "tests.torchrun.stop_in_phase",
-        ["--stop-at", stop_at, "--config", "examples/tiny/vapo.yaml",
+        ["--stop-at", stop_at,
+         *(["--signal-rank", str(signal_rank)] if signal_rank is not None else []),
+         "--config", "examples/tiny/vapo.yaml",
          f"trainer.output_dir={run}", *overrides],
         env={STOP_FILE_ENV: str(stop)},
         timeout=400,
@@ -433,6 +440,8 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         sep="\n",
     )
     assert f"train step {step} aborted in {aborted_in}" in first, first[-4000:]
+    if signal_rank is not None:  # rank 0 learnt of it from the store, with its time
+        assert f"stop (SIGUSR1 on rank {signal_rank}): train step {step}" in first
     rewound = "rewinding the step's 1 optimizer update(s)" in first
     assert rewound == (aborted_in == "train/mini_batch")
     if save_interval:
@@ -444,7 +453,7 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     state = json.loads((boundary / "trainer_state.json").read_text())
     assert state["step"] == step - 1
     assert [r["step"] for r in metrics(run)] == list(range(1, step))  # none for the aborted one
-    stop.unlink()
+    stop.unlink(missing_ok=True)
     resumed = train("vapo", run, *overrides).output
     assert f"resumed from {boundary} (step {step - 1})" in resumed
     expected = [measured(r) for r in metrics(vapo_run)]

@@ -35,7 +35,7 @@ def _install() -> None:
         return
     from tests.torchrun.stop_in_phase import install
 
-    install(hold_at, lambda: _hold(Path(marker)))
+    install(hold_at, lambda rank: rank == 0 and _hold(Path(marker)))
 
 
 _install()
