@@ -303,7 +303,8 @@ class RLTrainer:
     def abort_point(self, phase: str, aborted: bool = False) -> None:
         """Raise `StepAborted(phase)` on every rank when some rank saw a stop request (or
         `aborted`): a world collective, so every rank must reach each abort point of a step
-        in the same order. Only before a step's first optimizer update."""
+        in the same order. Once an optimizer update ran, only where the trainer can rewind it
+        (`trainer/updates.py`, `optimizer_steps`)."""
         if any_rank(aborted or STOP.requested):
             raise StepAborted(phase)
 
@@ -432,7 +433,7 @@ class RLTrainer:
                 should_stop=self.stop_requested_in_replica,
                 stop_generation=(lambda: STOP.requested) if self.engine.aborts_generation else None,
             )
-        except StepAborted as e:  # this replica only: the others finish their rollout
+        except StepAborted as e:  # this replica; the others see the request at their next check
             aborted = e.phase
         self.abort_point(aborted or "rollout", aborted is not None)
         groups = rollout.groups[: data_parallel_min(len(rollout.groups))]

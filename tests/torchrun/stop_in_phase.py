@@ -10,7 +10,8 @@ experience/reference, experience/critic, train, train/optimizer_step, train/mini
 first later mini-batch's), rollout/score: the rating loop's check before it collects a
 chunk's scores, i.e. once the chunk is generated and its prompts drawn, or rollout/generate:
 the vLLM engine's second stop check inside its generation (after `ABORT_CHECK_STEPS` engine
-steps). Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks
+steps), or save: the start of STEP's own save (a periodic one: the request lands while it is
+written). Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks
 whether anyone wants to stop, as the launcher would on a SIGTERM.
 
     --signal-rank R: instead, rank R sends itself SIGUSR1 at that point (a signal only it
@@ -39,11 +40,12 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
     stage, step, phase = stop_at.split(":")
     rank = {"r": None}
 
-    def arrived(trainer: RLTrainer) -> bool:
+    def arrived(trainer: RLTrainer, finished: bool = False) -> bool:
+        """In step STEP of STAGE (`finished`: its save, once the step counter moved on)."""
         rank["r"] = trainer.ctx.rank
         in_stage = "value_pretrain" if not trainer.value_pretrain_done else "train"
         current = trainer.value_pretrain_step if in_stage == "value_pretrain" else trainer.step
-        return in_stage == stage and current + 1 == int(step)
+        return in_stage == stage and current + (0 if finished else 1) == int(step)
 
     def ask() -> None:
         at_point(rank["r"])
@@ -64,6 +66,14 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
             if calls["n"] == 2:
                 ask()
         return in_replica(self)
+
+    save = RLTrainer.save
+
+    def save_asking(self):
+        # trainer.step already counts the step being saved
+        if phase == "save" and arrived(self, finished=True):
+            ask()
+        return save(self)
 
     generate_and_score = RLTrainer.generate_and_score
     any_engine_rank = VLLMEngine._any_engine_rank
@@ -87,6 +97,7 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
     RLTrainer.abort_point = abort_point_asking
     RLTrainer.stop_requested_in_replica = in_replica_asking
     RLTrainer.generate_and_score = generate_and_score_arming
+    RLTrainer.save = save_asking
     VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
 
 

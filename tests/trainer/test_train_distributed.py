@@ -402,6 +402,8 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
         ("train:2:train/optimizer_step", 1, "train/optimizer_step", None),
         # after the first of the step's two mini-batches: its updates rewound, then saved
         ("train:3:train/mini_batch", 0, "train/mini_batch", None),
+        # during step 2's periodic save: it completes; step 3 aborts at its first check
+        ("train:2:save", 1, "rollout/generate", None),
     ],
 )
 def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
@@ -428,7 +430,7 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         env={STOP_FILE_ENV: str(stop)},
         timeout=400,
     ).output  # fmt: skip
-    step = int(stop_at.split(":")[1])
+    step = int(stop_at.split(":")[1]) + stop_at.endswith(":save")  # the step aborted
     boundary = root / f"step_{4 + step - 1:06d}"
     # the abort and save times, for docs/reliability.md (`pytest -s` shows them)
     print(
