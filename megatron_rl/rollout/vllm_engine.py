@@ -247,7 +247,13 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (their KV blocks are reused from now on)."""
-        self.llm.reset_prefix_cache()
+        # vLLM declines (returns False, nothing raised) while requests run: the cache would
+        # keep KV computed with the weights before an update
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM did not reset its prefix cache (requests still running?): its cached "
+                "prefixes hold KV of the weights before the update"
+            )
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each sequence under the engine's

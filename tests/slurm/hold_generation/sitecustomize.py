@@ -9,19 +9,7 @@ vLLM's helpers) is left alone."""
 
 import os
 import sys
-import time
 from pathlib import Path
-
-
-def _hold(marker: Path, timeout_s: float = 300.0) -> None:
-    from megatron_rl.preemption import STOP
-
-    marker.write_text("held\n")
-    deadline = time.time() + timeout_s
-    while not STOP.requested:
-        if time.time() > deadline:
-            raise RuntimeError(f"no stop request {timeout_s} s after {marker} was written")
-        time.sleep(0.1)
 
 
 def _install() -> None:
@@ -33,9 +21,14 @@ def _install() -> None:
     )
     if not (is_worker and hold_at and marker) or Path(marker).exists():
         return
-    from tests.torchrun.stop_in_phase import install
+    from tests.torchrun.stop_in_phase import install, wait_for_request
 
-    install(hold_at, lambda rank: rank == 0 and _hold(Path(marker)))
+    def hold(rank: int) -> None:
+        if rank == 0:
+            Path(marker).write_text("held\n")
+            wait_for_request(timeout_s=300.0)
+
+    install(hold_at, hold)
 
 
 _install()
