@@ -53,13 +53,15 @@ def bucketed(
         yield bucket
 
 
-def _pack(bucket):
+def pack_bucket(bucket):
+    """(meta: [(name, shape, dtype)], flat: the tensors' bytes end to end) of a bucket."""
     meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
     flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket])
     return meta, flat
 
 
-def _unpack(meta, flat):
+def unpack_bucket(meta, flat):
+    """The (name, tensor) pairs `pack_bucket` packed, each a copy out of `flat`."""
     offset = 0
     for name, shape, dtype in meta:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -84,7 +86,7 @@ def all_stage_tensors(
     for stage in range(pp):
         if stage == me:
             for bucket in bucketed(export_hf_tensors(chunks, arch), bucket_bytes):
-                meta, flat = _pack(bucket)
+                meta, flat = pack_bucket(bucket)
                 torch.distributed.broadcast_object_list(
                     [meta, flat.numel()], src=ranks[stage], group=group
                 )
@@ -100,7 +102,7 @@ def all_stage_tensors(
                     break
                 flat = torch.empty(numel, dtype=torch.uint8, device=distributed.device())
                 torch.distributed.broadcast(flat, src=ranks[stage], group=group)
-                yield from _unpack(meta, flat)
+                yield from unpack_bucket(meta, flat)
 
 
 def checked(

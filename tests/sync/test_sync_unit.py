@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from megatron_rl.sync.weight_sync import WeightSyncError, _pack, _unpack, bucketed, checked
+from megatron_rl.sync.weight_sync import (
+    WeightSyncError,
+    bucketed,
+    checked,
+    pack_bucket,
+    unpack_bucket,
+)
 
 
 def tensors():
@@ -27,9 +33,9 @@ def test_pack_unpack_round_trip_mixed_dtypes():
         ("y", torch.arange(6, dtype=torch.int64)),
         ("z", torch.randn(2).bfloat16()),
     ]
-    meta, flat = _pack(bucket)
+    meta, flat = pack_bucket(bucket)
     assert flat.dtype == torch.uint8
-    for (name, t), (name2, t2) in zip(bucket, _unpack(meta, flat), strict=True):
+    for (name, t), (name2, t2) in zip(bucket, unpack_bucket(meta, flat), strict=True):
         assert name == name2 and t2.dtype == t.dtype and torch.equal(t, t2)
 
 
