@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel import distributed
 from megatron_rl.sync.weight_sync import bucketed, pack_bucket, unpack_bucket
 
 
@@ -42,27 +43,21 @@ def bridge_group(
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
-def _device() -> torch.device:
-    """Where a bridge's tensors live: NCCL moves device memory only."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> None:
     options = dist.BroadcastOptions()
     options.rootRank, options.rootTensor = root, 0
     group.broadcast([tensor], options).wait()
 
 
-def _broadcast_header(group: dist.ProcessGroup, header: tuple | None, root: int) -> tuple:
-    """`header` (on the root; None elsewhere) on every rank: its pickled length, then it."""
-    device = _device()
-    payload = pickle.dumps(header) if header is not None else b""
+def broadcast_object(group: dist.ProcessGroup, obj: object, root: int) -> object:
+    """The root's `obj` on every rank of `group` (what the others pass is ignored): its
+    pickled length, then its bytes (a header, a small tensor; weights go as buckets)."""
+    device = distributed.device()
+    payload = pickle.dumps(obj) if group.rank() == root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     _broadcast(group, length, root)
     data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    if header is not None:
+    if group.rank() == root:
         data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     _broadcast(group, data, root)
     return pickle.loads(data.cpu().numpy().tobytes())
@@ -80,12 +75,12 @@ def push_weights(
     sent = {"tensors": 0, "bytes": 0, "buckets": 0}
     for bucket in bucketed(tensors, bucket_bytes):
         meta, flat = pack_bucket(bucket)
-        _broadcast_header(group, (version, meta, flat.numel()), root)
-        _broadcast(group, flat.to(_device()), root)
+        broadcast_object(group, (version, meta, flat.numel()), root)
+        _broadcast(group, flat.to(distributed.device()), root)
         sent["tensors"] += len(meta)
         sent["bytes"] += flat.numel()
         sent["buckets"] += 1
-    _broadcast_header(group, (version, None, 0), root)
+    broadcast_object(group, (version, None, 0), root)
     return sent
 
 
@@ -95,15 +90,15 @@ def receive_weights(
     """On a receiving rank: (the pushed policy version, the (name, tensor) pairs). The pairs
     must be consumed to the end (the push ends with the last one); each bucket is received
     when the previous one has been consumed."""
-    version, meta, numel = _broadcast_header(group, None, root)
+    version, meta, numel = broadcast_object(group, None, root)
 
     def pairs() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal meta, numel
         while meta is not None:
-            flat = torch.empty(numel, dtype=torch.uint8, device=_device())
+            flat = torch.empty(numel, dtype=torch.uint8, device=distributed.device())
             _broadcast(group, flat, root)
             yield from unpack_bucket(meta, flat)
-            got, meta, numel = _broadcast_header(group, None, root)
+            got, meta, numel = broadcast_object(group, None, root)
             if got != version:  # one push, one version: anything else is a protocol bug
                 raise RuntimeError(f"weight push: version {got} inside the push of {version}")
 
