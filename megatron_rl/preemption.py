@@ -123,6 +123,9 @@ class StopRequest:
         self.store.set(
             SHARED_KEY, json.dumps({"reason": f"{reason} on rank {self.rank}", "since": since})
         )
+        # TCPStore's set does not wait for the server; a wait on the same connection returns
+        # once the set is applied, so every later check anywhere sees it
+        self.store.wait([SHARED_KEY])
         self.published = True
 
     def _shared(self) -> tuple[str, float | None] | None:

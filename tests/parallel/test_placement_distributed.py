@@ -11,6 +11,7 @@ from megatron_rl.parallel.placement import ENGINE
 
 
 @pytest.mark.distributed
+@pytest.mark.e2e  # 3 processes, Megatron and vLLM (~45 s): kept out of `make test`'s 20 minutes
 def test_two_roles_in_one_launch_push_weights_and_share_a_stop(tiny_model_dir, tmp_path):
     run_torchrun(
         "tests.torchrun.placement_push",
