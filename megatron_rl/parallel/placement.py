@@ -108,5 +108,4 @@ def initialize_role(placement: Placement, timeout_minutes: float = 30.0) -> tupl
         timeout=timeout,
     )
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(role_rank), str(role_size)
-    os.environ["MEGATRON_RL_JOB_RANK"] = str(rank)  # the rank in the whole launch, for logs
     return role, store
