@@ -39,8 +39,10 @@ test: $(STAMP)
 
 # Whole journeys (marker `e2e`): the learning check, HF -> Megatron -> train -> export, the
 # two-node SLURM cluster, the watchdog's kills, two engine jobs on one host, the value-pretraining
-# resume, a stop request in each phase of a step, the disaggregated placement's weight push.
-# ~27 min on 2 cores, a tier of its own to keep `make test` within 20 minutes; .ci/run runs
+# resume, a stop request in each phase of a step, the disaggregated placement (its weight push,
+# training equal to colocated, stop and resume), resumes at another layout or past a truncated
+# file, parameter offload, the reward-model -> critic conversion, the rewards benchmark.
+# ~40 min on 2 cores, a tier of its own to keep `make test` within 20 minutes; .ci/run runs
 # every tier.
 test-e2e: $(STAMP)
 	$(PY) -m pytest -m e2e $(PYTEST_ARGS)

@@ -15,8 +15,10 @@ is `RLTrainer.fit` (`megatron_rl/trainer/runner.py`).
 from __future__ import annotations
 
 import argparse
+import os
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, load_config, validate_config
+from megatron_rl.parallel.placement import ENGINE, Placement, initialize_role
 from megatron_rl.preemption import STOP
 
 
@@ -31,18 +33,43 @@ def parse_args(argv=None, description: str = __doc__):
         raise SystemExit(f"config error: {e}") from None
 
 
+def start_trainer(config):
+    """This rank's `RLTrainer`; None on an engine rank of a disaggregated placement
+    (`rollout.placement`), which serves the trainers' rollouts here until they are done."""
+    # here, not at the top: `--help` and a config error answer before megatron/vLLM load
+    from megatron_rl.trainer.runner import RLTrainer
+
+    try:
+        if config.rollout.placement == "colocated":
+            return RLTrainer(config)
+        world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        validate_config(config, world_size)  # on every rank, before any process group
+        placement = Placement(world_size, config.rollout.engine_ranks)
+        role, store = initialize_role(placement)
+        if role != ENGINE:
+            return RLTrainer(config, roles=(placement, store))
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    # why here: only engine ranks load it (vLLM, no Megatron)
+    from megatron_rl.trainer.engine_worker import EngineWorker
+
+    STOP.share_through(store, rank)  # a request on any rank reaches this one, and back
+    worker = EngineWorker(config, placement, store, rank)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return None
+
+
 def main(argv=None) -> None:
     # First, before anything slow: a SIGUSR1/SIGTERM from now on asks for a stop instead of
     # killing the process (during start-up or loading, too).
     STOP.install()
     config = parse_args(argv)
-    # here, not at the top: `--help` and a config error answer before megatron/vLLM load
-    from megatron_rl.trainer.runner import RLTrainer
-
-    try:
-        trainer = RLTrainer(config)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    trainer = start_trainer(config)
+    if trainer is None:  # an engine rank, done
+        return
     try:
         trainer.fit()  # a stop request ends it early, saved: exit 0 either way
     finally:

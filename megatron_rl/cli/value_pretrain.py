@@ -8,23 +8,18 @@ Monte-Carlo returns for `critic.pretrain_steps` steps (or until explained varian
 
 from __future__ import annotations
 
-from megatron_rl.cli.train import parse_args
-from megatron_rl.config import ConfigError
+from megatron_rl.cli.train import parse_args, start_trainer
 from megatron_rl.preemption import STOP
 
 
 def main(argv=None) -> None:
     STOP.install()  # first: a signal while loading asks for a stop, it does not kill
     config = parse_args(argv, __doc__)
-    # here, not at the top: `--help` and a config error answer before megatron/vLLM load
-    from megatron_rl.trainer.runner import RLTrainer
-
     if config.critic.pretrain_steps < 1:
         raise SystemExit("config error: critic.pretrain_steps must be >= 1 for value pretraining")
-    try:
-        trainer = RLTrainer(config)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    trainer = start_trainer(config)
+    if trainer is None:  # an engine rank of a disaggregated placement, done
+        return
     try:
         if trainer.value_pretrain_done:
             print("value pretraining already done in this output_dir", flush=True)

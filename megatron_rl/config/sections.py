@@ -21,6 +21,7 @@ from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 
 ROLLOUT_ENGINES = ("vllm", "hf")
+PLACEMENTS = ("colocated", "disaggregated")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 """The `trainer.logger` names (`trainer/loggers.py` builds them); console and jsonl are
 `MetricsLogger`'s own."""
@@ -81,6 +82,14 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_space_gib: int = 1
     rating: RatingConfig = field(default_factory=RatingConfig)
+    placement: str = "colocated"
+    """Where the engines run (#45, docs/design/async.md): "colocated", every rank trains and
+    generates in turn (the engine sleeps while Megatron trains); "disaggregated", the last
+    `engine_ranks` ranks of the launch only generate and the others only train, the actor's
+    weights pushed to them after every update (`sync/weight_push.py`)."""
+    engine_ranks: int = 0
+    """With placement=disaggregated: how many ranks (the last of the world) run the rollout
+    engines, one engine each (vLLM TP 1 for now); 0 with placement=colocated."""
 
     def __post_init__(self) -> None:
         check_at_least(self, rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=1)
@@ -97,6 +106,18 @@ class RolloutConfig:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {self.dtype!r}")
         if self.name not in ROLLOUT_ENGINES:
             raise ValueError(f"name must be one of {ROLLOUT_ENGINES}, got {self.name!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.placement == "colocated" and self.engine_ranks:
+            raise ValueError(
+                f"engine_ranks={self.engine_ranks} needs placement=disaggregated (colocated "
+                "engines run on every rank)"
+            )
+        if self.placement == "disaggregated" and self.engine_ranks < 1:
+            raise ValueError(
+                f"placement=disaggregated needs engine_ranks >= 1 (the ranks that only "
+                f"generate), got {self.engine_ranks}"
+            )
         if self.name == "hf":
             for key in ("gpu_memory_utilization", "cpu_kv_cache_space_gib"):
                 default = RolloutConfig.__dataclass_fields__[key].default

@@ -40,13 +40,53 @@ def rollout_layout(config: TrainConfig, world_size: int) -> RolloutLayout:
     )
 
 
+def training_world(config: TrainConfig, world_size: int) -> int:
+    """The ranks that train: the whole launch, or what a disaggregated placement's engine
+    ranks leave (`parallel/placement.py`)."""
+    return world_size - config.rollout.engine_ranks
+
+
 def validate_config(config: TrainConfig, world_size: int) -> None:
-    """Everything that can be checked before a process group or a model exists."""
+    """Everything that can be checked before a process group or a model exists;
+    `world_size`: the ranks of the whole launch."""
     check_required(config)
     check_inputs(config)
-    dp = check_layout(config, world_size)
-    check_batches(config, world_size, dp)
+    check_placement(config, world_size)
+    trainers = training_world(config, world_size)
+    dp = check_layout(config, trainers)
+    check_batches(config, trainers, dp)
     check_models(config)
+
+
+def check_placement(config: TrainConfig, world_size: int) -> None:
+    """A disaggregated placement (#45): engine ranks that leave trainers, one engine per
+    rank, and only what its first slice runs (docs/design/async.md §6)."""
+    r = config.rollout
+    if r.placement != "disaggregated":
+        return
+    if r.engine_ranks >= world_size:
+        raise ConfigError(
+            f"rollout.engine_ranks={r.engine_ranks} leaves no training rank in the launch's "
+            f"world of {world_size} (nproc_per_node x nodes)"
+        )
+    if (r.vllm_tensor_parallel_size or 1) != 1:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} with "
+            "rollout.placement=disaggregated: engine ranks run one engine each (vLLM TP 1) so "
+            "far; leave it unset or 1"
+        )
+    if r.rollout_batch_size % r.engine_ranks:
+        raise ConfigError(
+            f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by "
+            f"rollout.engine_ranks={r.engine_ranks} (each engine generates an equal share)"
+        )
+    for i, fn in enumerate(config.rewards.reward_fns):
+        if fn.collective:
+            raise ConfigError(
+                f"rewards.reward_fns[{i}] runs on Megatron's model-parallel group, which "
+                "engine ranks do not have: with rollout.placement=disaggregated use a "
+                "reward function, a remote reward model or a Ray pool"
+            )
 
 
 def check_required(config: TrainConfig) -> None:
@@ -84,10 +124,11 @@ def check_layout(config: TrainConfig, world_size: int) -> int:
             "rollout.name=hf: the hf engine holds the whole model on each rank (TP 1); "
             "leave vllm_tensor_parallel_size unset or 1, or use rollout.name=vllm"
         )
-    try:
-        rollout_layout(config, world_size).check()
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    if r.placement == "colocated":
+        try:
+            rollout_layout(config, world_size).check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return config.parallel.data_parallel_size(world_size)
 
 

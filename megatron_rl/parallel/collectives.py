@@ -142,9 +142,15 @@ def reduce_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
         return dict(metrics)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, metrics)
+    return combine_metrics(gathered)
+
+
+def combine_metrics(reports: list[dict[str, float]]) -> dict[str, float]:
+    """One dict from several: each key's mean over the reports that have it (`*_max`: the
+    max, `*_min`: the min), keys sorted."""
     out = {}
-    for key in sorted({k for m in gathered for k in m}):
-        values = [float(m[key]) for m in gathered if key in m]
+    for key in sorted({k for m in reports for k in m}):
+        values = [float(m[key]) for m in reports if key in m]
         if key.endswith("_max"):
             out[key] = max(values)
         elif key.endswith("_min"):

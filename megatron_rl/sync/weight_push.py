@@ -30,13 +30,21 @@ from megatron_rl.sync.weight_sync import bucketed, pack_bucket, unpack_bucket
 
 
 def bridge_group(
-    store, rank: int, size: int, name: str = "bridge", timeout_s: float = 1800.0
+    store,
+    rank: int,
+    size: int,
+    name: str = "bridge",
+    timeout_s: float = 1800.0,
+    backend: str | None = None,
 ) -> dist.ProcessGroup:
     """A process group of `size` ranks across roles, rank `rank` in it, met through `store`
-    (every member passes the same `name`): gloo on CPU, NCCL on GPU."""
+    (every member passes the same `name`): `backend` "gloo" or "nccl"; None: NCCL on GPU,
+    gloo on CPU."""
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"bridge_group backend must be gloo or nccl, got {backend!r}")
     prefixed = dist.PrefixStore(f"megatron_rl/{name}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
+    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
@@ -49,10 +57,36 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> Non
     group.broadcast([tensor], options).wait()
 
 
+def _device(group: dist.ProcessGroup) -> torch.device:
+    """Where `group`'s tensors live: host memory for gloo (a control group: no device sync),
+    this rank's device for NCCL."""
+    return torch.device("cpu") if group.name() == "gloo" else distributed.device()
+
+
+def send_object(group: dist.ProcessGroup, obj: object, dst: int, tag: int = 0) -> None:
+    """Send `obj` to rank `dst` of `group` (which calls `recv_object`): its pickled length,
+    then its bytes."""
+    payload = pickle.dumps(obj)
+    device = _device(group)
+    group.send([torch.tensor([len(payload)], dtype=torch.int64, device=device)], dst, tag).wait()
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    group.send([data], dst, tag).wait()
+
+
+def recv_object(group: dist.ProcessGroup, src: int, tag: int = 0) -> object:
+    """What rank `src` of `group` sent with `send_object`."""
+    device = _device(group)
+    length = torch.empty(1, dtype=torch.int64, device=device)
+    group.recv([length], src, tag).wait()
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    group.recv([data], src, tag).wait()
+    return pickle.loads(data.cpu().numpy().tobytes())
+
+
 def broadcast_object(group: dist.ProcessGroup, obj: object, root: int) -> object:
     """The root's `obj` on every rank of `group` (what the others pass is ignored): its
     pickled length, then its bytes (a header, a small tensor; weights go as buckets)."""
-    device = distributed.device()
+    device = _device(group)
     payload = pickle.dumps(obj) if group.rank() == root else b""
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     _broadcast(group, length, root)
@@ -76,7 +110,7 @@ def push_weights(
     for bucket in bucketed(tensors, bucket_bytes):
         meta, flat = pack_bucket(bucket)
         broadcast_object(group, (version, meta, flat.numel()), root)
-        _broadcast(group, flat.to(distributed.device()), root)
+        _broadcast(group, flat.to(_device(group)), root)
         sent["tensors"] += len(meta)
         sent["bytes"] += flat.numel()
         sent["buckets"] += 1
@@ -95,7 +129,7 @@ def receive_weights(
     def pairs() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal meta, numel
         while meta is not None:
-            flat = torch.empty(numel, dtype=torch.uint8, device=distributed.device())
+            flat = torch.empty(numel, dtype=torch.uint8, device=_device(group))
             _broadcast(group, flat, root)
             yield from unpack_bucket(meta, flat)
             got, meta, numel = broadcast_object(group, None, root)

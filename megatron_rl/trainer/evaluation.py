@@ -109,14 +109,26 @@ class Evaluator:
         return bool(self.sets)
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
-        """(metrics, eval.jsonl rows) at PPO step `step`: `eval/{set}/{key}` for every set,
-        and the first set's avg@n and mean reward also as eval/accuracy and eval/reward_mean;
-        one row per set."""
+        """(metrics, eval.jsonl rows) at PPO step `step` (see `summarize`), this rank's
+        sums added over the DP ranks."""
+        return self.summarize(
+            [data_parallel_sum(sums.to(self.device)) for sums in self.local_sums(step)]
+        )
+
+    def local_sums(self, step: int) -> list[torch.Tensor]:
+        """Each set's `eval_sums` over this rank's slice of its prompts (host memory)."""
+        return [
+            self.set_sums(step, set_index, spec, prompts)
+            for set_index, (spec, prompts) in enumerate(self.sets)
+        ]
+
+    def summarize(self, sums: list[torch.Tensor]) -> tuple[dict[str, float], list[dict]]:
+        """(metrics, eval.jsonl rows) from each set's sums over every prompt:
+        `eval/{set}/{key}` for every set, and the first set's avg@n and mean reward also as
+        eval/accuracy and eval/reward_mean; one row per set."""
         metrics, rows = {}, []
-        for set_index, (spec, prompts) in enumerate(self.sets):
-            summary = eval_summary(
-                spec.n, spec.pass_k, self.set_sums(step, set_index, spec, prompts)
-            )
+        for set_index, (spec, _) in enumerate(self.sets):
+            summary = eval_summary(spec.n, spec.pass_k, sums[set_index].cpu())
             rows.append({"set": spec.name, "n": spec.n, "temperature": spec.temperature, **summary})
             metrics.update(
                 {f"eval/{spec.name}/{k}": v for k, v in summary.items() if k != "prompts"}
@@ -127,9 +139,9 @@ class Evaluator:
         return metrics, rows
 
     def set_sums(self, step: int, set_index: int, spec, prompts) -> torch.Tensor:
-        """One set's `eval_sums` over every DP rank: each samples spec.n responses for its
-        slice of the prompts at the set's temperature, each prompt's requests seeded by
-        (seed, step, set, prompt) so a resumed run evaluates the same."""
+        """One set's `eval_sums` over this DP rank's slice of the prompts: spec.n responses
+        each at the set's temperature, each prompt's requests seeded by (seed, step, set,
+        prompt) so a resumed run evaluates the same."""
         indices = range(self.dp_rank, len(prompts), self.dp_size)
         mine = [prompts[i] for i in indices]
         sampling = SamplingConfig(
@@ -165,10 +177,9 @@ class Evaluator:
         rewards = torch.tensor(scored.rewards, device="cpu")
         lengths = torch.tensor([float(s.response_length) for s in samples], device="cpu")
         shape = (len(mine), spec.n)
-        sums = eval_sums(
+        return eval_sums(
             (rewards > 0).reshape(shape),
             rewards.reshape(shape),
             lengths.reshape(shape),
             spec.pass_k,
         )
-        return data_parallel_sum(sums.to(self.device))

@@ -14,7 +14,6 @@ import functools
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from megatron_rl.parallel.collectives import (
     data_parallel_min,
     reduce_over_ranks,
 )
+from megatron_rl.parallel.placement import Placement
 from megatron_rl.preemption import (
     STOP,
     StepAborted,
@@ -47,16 +47,10 @@ from megatron_rl.preemption import (
     plain_torchrun_warning,
 )
 from megatron_rl.rewards.pool import ModelParallelScoringPool
-from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.rating import generate_samples_with_rating, request_seed
+from megatron_rl.rollout.rating import request_seed
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.shm import ShmRecord
-from megatron_rl.rollout.vllm_engine import (
-    ENGINE_MEMORY,
-    EngineConfig,
-    SamplingConfig,
-    VLLMEngine,
-)
+from megatron_rl.rollout.vllm_engine import ENGINE_MEMORY
 from megatron_rl.sync.weight_sync import sync_weights
 from megatron_rl.trainer.checkpoint import (
     HF_EXPORTS,
@@ -70,33 +64,28 @@ from megatron_rl.trainer.checkpoint import (
     save_roles,
     set_rng_state,
 )
-from megatron_rl.trainer.evaluation import EVAL_STAGE, Evaluator
+from megatron_rl.trainer.disaggregated import EngineRanks
 from megatron_rl.trainer.experience import (
     make_experience,
     micro_batching,
 )
 from megatron_rl.trainer.memory_timeline import MemoryTimeline
 from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
+from megatron_rl.trainer.rounds import (
+    STAGES,
+    DataParallelShard,
+    build_engine,
+    build_evaluator,
+    generate_round,
+    sampling_config,
+)
 from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak, optimizer_steps
 from megatron_rl.trainer.value_pretrain import run_value_pretraining
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.policy import Actor, ReferencePolicy
 
-STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
 MEMORY_TIMELINE = "memory_timeline.jsonl"
-
-
-class DataParallelShard:
-    """Every DP rank draws the same prompts from the shared stream and keeps its slice, so
-    the data position is one number for the whole run."""
-
-    def __init__(self, stream, dp_rank: int, dp_size: int):
-        self.stream, self.dp_rank, self.dp_size = stream, dp_rank, dp_size
-
-    def take(self, k: int) -> list:
-        drawn = self.stream.take(k * self.dp_size)
-        return drawn[self.dp_rank * k : (self.dp_rank + 1) * k]
 
 
 def in_phase(name: str):
@@ -114,11 +103,14 @@ def in_phase(name: str):
 
 
 class RLTrainer:
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, roles: tuple[Placement, object] | None = None):
+        """`roles`: (placement, the job's store) when this rank is a trainer of a
+        disaggregated placement (`parallel.placement.initialize_role` made the trainers'
+        default group); None: colocated, every rank trains and generates."""
         # transformers is heavy: loaded once a run is being built, not at import
         from transformers import AutoTokenizer
 
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        world_size = roles[0].world_size if roles else int(os.environ.get("WORLD_SIZE", 1))
         validate_config(config, world_size)  # before any process group or model
         leftovers = previous_run_files(config.trainer.output_dir)
         if leftovers and not (config.trainer.resume or config.trainer.overwrite):
@@ -145,10 +137,6 @@ class RLTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
-        eval_sets = [
-            (spec, load_prompts(replace(c.data, path=spec.path), self.tokenizer).records)
-            for spec in t.eval_sets
-        ]
         # Before the models: a reward that cannot be imported or built fails in seconds.
         self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
         if t.overwrite and self.ctx.rank == 0:  # only once the run's inputs proved usable
@@ -202,50 +190,28 @@ class RLTrainer:
         stale = self.shm.remove_stale()
         if stale:
             print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
-        engines = rollout_layout(c, self.ctx.world_size)
-        # The engine sizes its KV cache from the device memory free now: what the config
-        # offloads leaves first (a sync, a resume or a save reads the chunks: they come back).
-        self.offload_for_rollout()
-        # rollout.name=hf: a plain HF model per rank, no vLLM import (`rollout/hf_engine.py`)
-        engine = (HFEngine if r.name == "hf" else VLLMEngine)(
-            policy_source.hf_dir,
-            EngineConfig(
-                tensor_parallel_size=engines.vllm_tensor_parallel_size,
-                dtype=r.dtype or str(precision.params_dtype).removeprefix("torch."),
-                seed=t.seed,
-                max_model_len=r.max_model_len,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                cpu_kv_cache_space_gib=r.cpu_kv_cache_space_gib,
-                external_launcher="WORLD_SIZE" in os.environ,
-                # A Megatron checkpoint has no HF weights: vLLM starts from random ones and
-                # takes the actor's at once (below), as after every update.
-                extra={"load_format": "dummy"} if policy_source.is_megatron else {},
-            ),
-        )
-        # One generation per model replica, split over its engines (`rollout/replica.py`).
-        self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
+        self.engine = self.engine_ranks = None
+        if roles:  # the engines are other ranks (`trainer/engine_worker.py`)
+            self.engine_ranks = EngineRanks(roles[0], roles[1], self.ctx)
+        else:
+            engines = rollout_layout(c, self.ctx.world_size)
+            # The engine sizes its KV cache from the device memory free now: what the config
+            # offloads leaves first (a sync, a resume or a save reads the chunks: they come
+            # back).
+            self.offload_for_rollout()
+            engine = build_engine(
+                c, policy_source, engines.vllm_tensor_parallel_size, "WORLD_SIZE" in os.environ
+            )
+            # One generation per model replica, split over its engines (`rollout/replica.py`).
+            self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
         if policy_source.is_megatron:
-            sync_weights(self.actor, self.engine)
+            self.send_weights()
         self.shm.write()
-        self.sampling = SamplingConfig(
-            n=r.n_samples_per_prompt,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-        )
-        self.evaluator = Evaluator(
-            sets=eval_sets,
-            engine=self.engine,
-            pool=self.pool,
-            tokenizer=self.tokenizer,
-            seed=t.seed,
-            dp_rank=self.ctx.dp_rank,
-            dp_size=self.dp_size,
-            device=self.ctx.device,
-            max_new_tokens=r.max_new_tokens,
-            max_sequences=r.rollout_batch_size // self.dp_size * r.n_samples_per_prompt,
-        )
+        self.sampling = sampling_config(c)
+        self.evaluator = build_evaluator(
+            c, self.engine, self.pool, self.tokenizer, self.ctx.dp_rank, self.dp_size,
+            self.ctx.device,
+        )  # fmt: skip
         sizes = (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
@@ -272,7 +238,7 @@ class RLTrainer:
         )
         self.memory = MemoryTimeline(
             Path(t.output_dir) / MEMORY_TIMELINE if self.ctx.rank == 0 else None,
-            lambda: "+".join(sorted(self.engine.awake)) or "asleep",
+            lambda: "+".join(sorted(self.engine.awake)) or "asleep" if self.engine else "apart",
         )
         self.step = 0
         self.value_pretrain_step = 0
@@ -280,7 +246,8 @@ class RLTrainer:
         self.saved_progress: int | None = None
         """The progress (value-pretraining + PPO steps) of the last save or resume."""
         STOP.install()  # again: `megatron_rl.cli.train` installs it first thing
-        STOP.share_through(default_store(), self.ctx.rank)  # a request one rank sees reaches all
+        # a request one rank sees reaches all (engine ranks too: the job's store)
+        STOP.share_through(roles[1] if roles else default_store(), self.ctx.rank)
         warning = plain_torchrun_warning()
         if warning and self.ctx.rank == 0:
             print(warning, flush=True)
@@ -417,28 +384,30 @@ class RLTrainer:
 
     def generate_and_score(self, stage: str, step: int):
         """This DP rank's rated groups for one step, trimmed to the same count on every DP
-        rank (dynamic filtering can come back short), and the rollout metrics."""
-        c = self.config
-        aborted = None
-        try:
-            rollout = generate_samples_with_rating(
-                DataParallelShard(self.prompts, self.ctx.dp_rank, self.dp_size),
-                c.rollout.rollout_batch_size // self.dp_size,
-                self.engine,
-                self.pool,
-                self.sampling,
-                self.tokenizer,
-                c.rollout.rating,
-                seed=request_seed(c.trainer.seed, STAGES[stage], step),
-                should_stop=self.stop_requested_in_replica,
-                stop_generation=(lambda: STOP.requested) if self.engine.aborts_generation else None,
+        rank (dynamic filtering can come back short), and the rollout metrics. Made here
+        (colocated) or by the engine ranks (disaggregated), the same groups either way."""
+        if self.engine_ranks is not None:
+            groups, metrics, data, aborted = self.engine_ranks.generate(
+                stage, step, self.prompts.state_dict()
             )
-        except StepAborted as e:  # this replica; the others see the request at their next check
-            aborted = e.phase
-        self.abort_point(aborted or "rollout", aborted is not None)
-        groups = rollout.groups[: data_parallel_min(len(rollout.groups))]
+            self.abort_point(aborted or "rollout", aborted is not None)
+            self.prompts.load_state_dict(data)  # the draws the engines made
+        else:
+            aborted = None
+            try:
+                rollout = generate_round(
+                    self.config, stage, step,
+                    DataParallelShard(self.prompts, self.ctx.dp_rank, self.dp_size),
+                    self.engine, self.pool, self.tokenizer,
+                    should_stop=self.stop_requested_in_replica,
+                    stop_generation=lambda: STOP.requested,
+                )  # fmt: skip
+            except StepAborted as e:  # this replica; the others see the request at their check
+                aborted = e.phase
+            self.abort_point(aborted or "rollout", aborted is not None)
+            groups, metrics = rollout.groups, dict(rollout.metrics)
+        groups = groups[: data_parallel_min(len(groups))]
         samples = [s for g in groups for s in g]
-        metrics = dict(rollout.metrics)
         if samples:
             # host-side statistics of this rank's samples (reduce_over_ranks takes floats)
             rewards = torch.tensor([s.reward for s in samples], device="cpu")
@@ -492,9 +461,25 @@ class RLTrainer:
     def wake_engine(self, tags: tuple[str, ...] = ("weights", "kv_cache"), why: str = "") -> None:
         """Wake the engine's `tags`, once PyTorch's allocator has given its cached blocks
         back (`memory_timeline.release_cached_blocks` says why), recorded as hand-off
-        `wake_<tags>` (`why`: a prefix naming the occasion)."""
+        `wake_<tags>` (`why`: a prefix naming the occasion). Nothing when the engines are
+        other ranks."""
+        if self.engine is None:
+            return
         self.memory.release_cached_blocks(f"{why}wake_{'+'.join(tags)}")
         self.engine.wake_up(tags)
+
+    def sleep_engine(self, level: int) -> None:
+        """The colocated engine frees its KV cache (level 1 also moves its weights to host
+        memory, level 2 drops them) while Megatron needs the device."""
+        if self.engine is not None:
+            self.engine.sleep(level=level)
+
+    def send_weights(self) -> dict[str, float]:
+        """The actor's current weights into the engines: the colocated one in place
+        (`sync_weights`), or pushed to the engine ranks as policy version `step`."""
+        if self.engine_ranks is not None:
+            return self.engine_ranks.push(self.actor, version=self.step)
+        return sync_weights(self.actor, self.engine)
 
     @contextmanager
     def roles_resident(self):
@@ -505,6 +490,7 @@ class RLTrainer:
         aborted after the rollout) is left so, and only what was awake wakes again."""
         c = self.config
         moving = c.actor.param_offload or c.actor.ref_param_offload or c.critic.param_offload
+        moving = moving and self.engine is not None
         awake = tuple(t for t in ENGINE_MEMORY if t in self.engine.awake) if moving else ()
         if awake:
             self.engine.sleep(level=1)
@@ -578,7 +564,7 @@ class RLTrainer:
             metrics.update(self.memory.end_step(self.step, "train"))
             return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
-        self.engine.sleep(level=2)  # its weights come back with the sync below
+        self.sleep_engine(level=2)  # its weights come back with the sync below
         with self.phase("experience"):
             batch, exp_metrics = make_experience(
                 groups,
@@ -596,8 +582,9 @@ class RLTrainer:
             metrics.update(self.update(batch, step))
         t3 = time.perf_counter()
         self.wake_engine(("weights",))
+        self.step += 1  # the weights sent are policy version `step`
         with self.phase("sync"):
-            sync_weights(self.actor, self.engine)
+            self.send_weights()
         self.offload("actor")  # its parameters: unused until the next experience
         self.wake_engine(("kv_cache",))
         t4 = time.perf_counter()
@@ -615,7 +602,6 @@ class RLTrainer:
                 "perf/tokens_per_s": tokens / (t4 - t0),
             }
         )
-        self.step += 1
         metrics["memory/params_offloaded_gib"] = self.offloaded_param_gib()
         metrics.update(self.memory.end_step(self.step, "train"))
         return reduce_over_ranks(metrics)
@@ -623,7 +609,10 @@ class RLTrainer:
     @in_phase("eval")
     def evaluate(self) -> dict[str, float]:
         """Every eval set at this step (`Evaluator`), one row per set in eval.jsonl."""
-        metrics, rows = self.evaluator.evaluate(self.step)
+        if self.engine_ranks is not None:  # sampled and scored there, summed here
+            metrics, rows = self.evaluator.summarize(self.engine_ranks.evaluate(self.step))
+        else:
+            metrics, rows = self.evaluator.evaluate(self.step)
         self.logger.log_eval(self.step, rows)
         return metrics
 
@@ -720,7 +709,7 @@ class RLTrainer:
         self.value_pretrain_step = trainer_state["value_pretrain_step"]
         self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
         self.saved_progress = self.value_pretrain_step + self.step
-        sync_weights(self.actor, self.engine)  # the engine started from the HF weights
+        self.send_weights()  # the engines started from the HF weights
         position = (1, self.step) if self.value_pretrain_done else (0, self.value_pretrain_step)
         dropped = self.logger.rewind(position)
         if self.ctx.rank == 0:
@@ -733,6 +722,9 @@ class RLTrainer:
     def close(self) -> None:
         self.logger.close()
         self.pool.close()
-        self.engine.shutdown()  # its process groups first, then ours
+        if self.engine_ranks is not None:
+            self.engine_ranks.shutdown()
+        else:
+            self.engine.shutdown()  # its process groups first, then ours
         self.shm.clean_up()
         distributed.destroy()

@@ -93,7 +93,7 @@ def pretrain_step(trainer) -> dict[str, float]:
         metrics.update(trainer.memory.end_step(trainer.value_pretrain_step, STAGE))
         return reduce_over_ranks({**metrics, "actor/skipped_update": 1.0})
     trainer.abort_point("train")  # before the critic's values and gradients
-    trainer.engine.sleep(level=1)  # the policy is frozen: its weights wait in host memory
+    trainer.sleep_engine(level=1)  # the policy is frozen: its weights wait in host memory
     with trainer.phase("train"):
         metrics.update(pretrain_update(trainer, groups, step))
     trainer.wake_engine()

@@ -220,6 +220,7 @@ def reward_model(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e  # ~45 s (convert, then train on the critic): the journeys' tier
 def test_reward_model_converts_to_critic(reward_model, tmp_path):
     from transformers import AutoModelForSequenceClassification
 

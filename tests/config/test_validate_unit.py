@@ -183,3 +183,35 @@ def test_reward_inputs_are_named_before_any_process_starts(tiny_model_dir, tmp_p
         validate_config(config_for(no_tokenizer), world_size=2)
     good = "rewards.reward_fns=[{type: python, path: 'tests.reward_fns:constant'}]"
     validate_config(config_for(tiny_model_dir, good), world_size=2)
+
+
+def test_a_disaggregated_placement_is_checked_against_the_launch(tiny_model_dir):
+    """Engine ranks leave trainers whose layout and batches must fit the rest of the world;
+    what the first slice of #45 does not run is refused by name."""
+    dis = ("rollout.placement=disaggregated", "parallel.tensor_model_parallel_size=2")
+    validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=1"), world_size=3)
+    validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=2"), world_size=4)
+    refused = [
+        (("rollout.engine_ranks=3",), 3, r"engine_ranks=3 leaves no training rank .* world of 3"),
+        # the trainers' world of 1 cannot hold TP 2
+        (("rollout.engine_ranks=1",), 2, "config section parallel: .*world size 1"),
+        (("rollout.engine_ranks=1", "rollout.vllm_tensor_parallel_size=2"), 3,
+         "vllm_tensor_parallel_size=2 with rollout.placement=disaggregated"),
+        (("rollout.engine_ranks=3", "rollout.rollout_batch_size=16"), 5,
+         "rollout_batch_size=16 is not divisible by rollout.engine_ranks=3"),
+        (("rollout.engine_ranks=1",
+          f"rewards.reward_fns=[{{type: reward_model, backend: megatron, model_dir: {tiny_model_dir}}}]"),
+         3, r"rewards.reward_fns\[0\] runs on Megatron's model-parallel group"),
+    ]  # fmt: skip
+    for extra, world, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(config_for(tiny_model_dir, *dis, *extra), world_size=world)
+
+
+def test_placement_and_engine_ranks_must_agree(tiny_model_dir):
+    with pytest.raises(ConfigError, match="engine_ranks=1 needs placement=disaggregated"):
+        config_for(tiny_model_dir, "rollout.engine_ranks=1")
+    with pytest.raises(ConfigError, match="placement=disaggregated needs engine_ranks >= 1"):
+        config_for(tiny_model_dir, "rollout.placement=disaggregated")
+    with pytest.raises(ConfigError, match="placement must be one of"):
+        config_for(tiny_model_dir, "rollout.placement=apart")

@@ -5,10 +5,18 @@ source and two engine ranks), as gloo allows."""
 import datetime
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.sync.weight_push import bridge_group, push_weights, receive_weights
+from megatron_rl.sync.weight_push import (
+    bridge_group,
+    broadcast_object,
+    push_weights,
+    receive_weights,
+    recv_object,
+    send_object,
+)
 
 TIMEOUT_S = 30.0  # a protocol bug fails the test instead of hanging it
 
@@ -25,9 +33,10 @@ def weights() -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def run_bridge(ranks: int, work) -> dict:
-    """`work(rank, group)` on `ranks` threads, each a member of one bridge group; their
-    results by rank (an exception in any thread is raised here)."""
+def run_bridge(ranks: int, work, **group) -> dict:
+    """`work(rank, group)` on `ranks` threads, each a member of one bridge group
+    (`bridge_group`'s keywords: `group`); their results by rank (an exception in any thread
+    is raised here)."""
     server = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=TIMEOUT_S)
     )
@@ -39,7 +48,9 @@ def run_bridge(ranks: int, work) -> dict:
                 "127.0.0.1", server.port, is_master=False,
                 timeout=datetime.timedelta(seconds=TIMEOUT_S),
             )  # fmt: skip
-            results[rank] = work(rank, bridge_group(store, rank, ranks, timeout_s=TIMEOUT_S))
+            results[rank] = work(
+                rank, bridge_group(store, rank, ranks, timeout_s=TIMEOUT_S, **group)
+            )
         except Exception as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
@@ -95,3 +106,31 @@ def test_a_push_of_nothing_still_carries_its_version():
 
     results = run_bridge(2, work)
     assert results[0]["buckets"] == 0 and results[1] == (9, [])
+
+
+def test_objects_sent_to_rank_0_arrive_whole_and_in_order_on_a_gloo_stream():
+    """The stream group of a disaggregated placement: gloo whatever the device (its tensors
+    on the host), each engine rank sends rank 0 two answers, which rank 0 receives per sender
+    in the order sent; a command broadcast from rank 0 reaches both."""
+
+    def work(rank, group):
+        assert group.name() == "gloo"
+        command = broadcast_object(group, {"generate": 7} if rank == 0 else None, root=0)
+        if rank == 0:
+            return command, [[recv_object(group, src=r) for _ in range(2)] for r in (2, 1)]
+        for i in range(2):
+            send_object(group, (rank, i, "x" * (1000 * rank)), dst=0)
+        return command
+
+    results = run_bridge(3, work, name="stream", backend="gloo")
+    command, answers = results[0]
+    assert command == results[1] == results[2] == {"generate": 7}
+    assert answers == [
+        [(2, 0, "x" * 2000), (2, 1, "x" * 2000)],
+        [(1, 0, "x" * 1000), (1, 1, "x" * 1000)],
+    ]
+
+
+def test_a_backend_other_than_gloo_or_nccl_is_refused():
+    with pytest.raises(ValueError, match="backend must be gloo or nccl, got 'mpi'"):
+        bridge_group(dist.HashStore(), 0, 1, backend="mpi")

@@ -59,6 +59,7 @@ def test_bench_long_cot_writes_one_result_line(tmp_path):
     assert result["speedup_token_budget_over_padded"] > 0
 
 
+@pytest.mark.e2e  # ~50 s of Ray start-up and scoring: the journeys' tier
 def test_bench_rewards_writes_one_result_line(tmp_path):
     """Both backends inline and through a 1-worker Ray pool, on 48 MATH-style samples."""
     from tools.bench_rewards import main

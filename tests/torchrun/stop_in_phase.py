@@ -11,8 +11,9 @@ first later mini-batch's), rollout/score: the rating loop's check before it coll
 chunk's scores, i.e. once the chunk is generated and its prompts drawn, or rollout/generate:
 the vLLM engine's second stop check inside its generation (after `ABORT_CHECK_STEPS` engine
 steps), or save: the start of STEP's own save (a periodic one: the request lands while it is
-written). Rank 0 creates the stop file ($MEGATRON_RL_STOP_FILE) just before that point asks
-whether anyone wants to stop, as the launcher would on a SIGTERM.
+written). The first rank there creates the stop file ($MEGATRON_RL_STOP_FILE) just before
+that point asks whether anyone wants to stop, as the launcher would on a SIGTERM. With
+`rollout.placement=disaggregated`, rollout/generate is the engine rank's generation.
 
     --signal-rank R: instead, rank R sends itself SIGUSR1 at that point (a signal only it
     gets: no stop file) and every other rank waits there until the request reaches it
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 from megatron_rl.preemption import STOP, request_stop, stop_file
 from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.trainer.engine_worker import EngineWorker
 from megatron_rl.trainer.runner import RLTrainer
 
 
@@ -94,6 +96,21 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
                 flag = flag or STOP.requested  # as the engine's own `should_stop()` now would
         return any_engine_rank(flag)
 
+    engine_generate = EngineWorker.generate
+
+    def engine_generate_arming(self, command):
+        # an engine rank of a disaggregated placement: the generation is its own
+        rank["r"] = self.rank
+        armed["on"] = phase == "rollout/generate" and (command.stage, command.step + 1) == (
+            stage,
+            int(step),
+        )
+        try:
+            return engine_generate(self, command)
+        finally:
+            armed["on"] = False
+
+    EngineWorker.generate = engine_generate_arming
     RLTrainer.abort_point = abort_point_asking
     RLTrainer.stop_requested_in_replica = in_replica_asking
     RLTrainer.generate_and_score = generate_and_score_arming
@@ -118,7 +135,9 @@ def main() -> None:
     def at_point(rank: int) -> None:
         if a.signal_rank is None:
             path = stop_file()
-            if rank == 0 and not path.exists():
+            # the first rank there (a disaggregated placement's engine rank reaches its
+            # generation's point alone: the trainers wait for its answer meanwhile)
+            if not path.exists():
                 request_stop(path, f"stop_in_phase {a.stop_at}")
         elif rank == a.signal_rank:
             os.kill(os.getpid(), signal.SIGUSR1)

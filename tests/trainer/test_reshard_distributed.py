@@ -11,7 +11,8 @@ import torch
 from megatron_rl.launch import run_torchrun
 from tests.tolerances import FP32_MODEL, assert_close
 
-pytestmark = pytest.mark.distributed
+# the journeys' tier (~1.5 min: two runs at two layouts), to keep `make test` under 20 minutes
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 LAYOUTS = {"tp1_dp2": (1, 1), "tp1_pp2": (1, 2)}
 """(TP, PP) of 2 ranks; the save is TP2. The same layout: tests/trainer/test_train_distributed."""

@@ -197,6 +197,7 @@ def measured(record: dict) -> dict:
     }
 
 
+@pytest.mark.e2e  # a CLI after the shared run: ~1 min, the journeys' tier
 def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
@@ -357,6 +358,7 @@ PARAM_OFFLOAD = (
 )
 
 
+@pytest.mark.e2e  # two runs: ~1.3 min, the journeys' tier
 def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
     """Each role's parameters in host memory from their last use before a rollout (reference:
     the experience, critic: its update, actor: the weight sync) until their next use, and

@@ -1,0 +1,125 @@
+"""One step's rollout as both placements make it: the engine built from the run's config,
+the sampling settings, and `generate_round`, the rated groups of one model replica's share of
+a step's prompts. Colocated, every trainer rank calls it (`trainer/runner.py`); disaggregated,
+the engine ranks do (`trainer/engine_worker.py`), so both draw the same prompts with the same
+request seeds and give the same samples for the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from megatron_rl.config import TrainConfig
+from megatron_rl.data import load_prompts
+from megatron_rl.models.source import ModelSource
+from megatron_rl.rollout.hf_engine import HFEngine
+from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating, request_seed
+from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.trainer.evaluation import EVAL_STAGE, Evaluator
+
+STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
+"""Each stage's part of the request seeds: a step of one stage never repeats another's."""
+
+
+class DataParallelShard:
+    """Every replica draws the same prompts from the shared stream and keeps its slice, so
+    the data position is one number for the whole run."""
+
+    def __init__(self, stream, dp_rank: int, dp_size: int):
+        self.stream, self.dp_rank, self.dp_size = stream, dp_rank, dp_size
+
+    def take(self, k: int) -> list:
+        drawn = self.stream.take(k * self.dp_size)
+        return drawn[self.dp_rank * k : (self.dp_rank + 1) * k]
+
+
+def build_engine(
+    config: TrainConfig, source: ModelSource, tensor_parallel_size: int, external_launcher: bool
+):
+    """This rank's rollout engine (vLLM, or `rollout.name=hf`), as `config.rollout` sets it,
+    started from the policy's Hugging Face weights (random ones for a Megatron checkpoint,
+    which the trainer then sends). `external_launcher`: under torchrun, the default process
+    group is the engines' world."""
+    r, t = config.rollout, config.trainer
+    params_dtype = config.model.precision.params_dtype
+    # rollout.name=hf: a plain HF model per rank, no vLLM import (`rollout/hf_engine.py`)
+    return (HFEngine if r.name == "hf" else VLLMEngine)(
+        source.hf_dir,
+        EngineConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=r.dtype or str(params_dtype).removeprefix("torch."),
+            seed=t.seed,
+            max_model_len=r.max_model_len,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            cpu_kv_cache_space_gib=r.cpu_kv_cache_space_gib,
+            external_launcher=external_launcher,
+            # A Megatron checkpoint has no HF weights: vLLM starts from random ones and
+            # takes the actor's at once, as after every update.
+            extra={"load_format": "dummy"} if source.is_megatron else {},
+        ),
+    )
+
+
+def sampling_config(config: TrainConfig) -> SamplingConfig:
+    r = config.rollout
+    return SamplingConfig(
+        n=r.n_samples_per_prompt,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+    )
+
+
+def build_evaluator(
+    config: TrainConfig, engine, pool, tokenizer, dp_rank: int, dp_size: int, device
+) -> Evaluator:
+    """The `Evaluator` of `trainer.eval_sets` for replica `dp_rank` of `dp_size` (`engine`
+    None: one that only summarizes sums made elsewhere, on the engine ranks)."""
+    c, r = config, config.rollout
+    sets = [
+        (spec, load_prompts(replace(c.data, path=spec.path), tokenizer).records)
+        for spec in c.trainer.eval_sets
+    ]
+    return Evaluator(
+        sets=sets,
+        engine=engine,
+        pool=pool,
+        tokenizer=tokenizer,
+        seed=c.trainer.seed,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        device=torch.device(device),
+        max_new_tokens=r.max_new_tokens,
+        max_sequences=r.rollout_batch_size // dp_size * r.n_samples_per_prompt,
+    )
+
+
+def generate_round(
+    config: TrainConfig,
+    stage: str,
+    step: int,
+    prompts: DataParallelShard,
+    engine,
+    pool,
+    tokenizer,
+    should_stop: Callable[[], bool],
+    stop_generation: Callable[[], bool] | None,
+) -> RatedRollout:
+    """The rated groups of `prompts.dp_rank`'s share (rollout_batch_size / dp_size prompts)
+    of `stage` step `step`; `StepAborted` when `should_stop` says so (see
+    `generate_samples_with_rating`)."""
+    return generate_samples_with_rating(
+        prompts,
+        config.rollout.rollout_batch_size // prompts.dp_size,
+        engine,
+        pool,
+        sampling_config(config),
+        tokenizer,
+        config.rollout.rating,
+        seed=request_seed(config.trainer.seed, STAGES[stage], step),
+        should_stop=should_stop,
+        stop_generation=stop_generation if engine.aborts_generation else None,
+    )

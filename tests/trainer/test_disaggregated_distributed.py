@@ -1,0 +1,152 @@
+"""A disaggregated placement end to end (#45, max_staleness 0): `megatron_rl.cli.train` under
+torchrun with the last rank(s) only generating (real vLLM on its own world) and the others
+only training (Megatron), weights pushed over the bridge after every update.
+
+- 1 trainer + 1 engine rank logs every metric the colocated run on 1 rank logs, equal, and
+  saves equal weights: the same prompts, request seeds and weights make the same samples.
+- 2 trainers (DP 2) + 2 engine ranks: each engine generates one DP rank's share; every
+  metric and weight equal to 2 colocated ranks'.
+- A stop request in the engine's generation (a file, or a signal to the engine rank alone)
+  or between the trainer's mini-batches: every rank exits 0, the step's start is saved, and
+  the resumed run logs what the uninterrupted one did, with the same final weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.launch import run_torchrun
+from megatron_rl.preemption import STOP_FILE_ENV
+from tests.checkpoints import same_weights
+from tests.trainer.runs import VARIED_REWARD, checkpoint, train
+
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
+
+DISAGGREGATED = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
+
+
+@pytest.fixture(scope="module")
+def eval_prompts(tmp_path_factory):
+    """12 of the sums: 6 per engine rank where there are 2."""
+    path = tmp_path_factory.mktemp("eval") / "sums.jsonl"
+    lines = Path("examples/tiny/data/arithmetic_test.jsonl").read_text().splitlines()
+    path.write_text("\n".join(lines[:12]) + "\n")
+    return path
+
+
+def ppo_overrides(model_dir, eval_path) -> list[str]:
+    """The tiny PPO recipe (TP 1, 4 actor updates a step): 1 value-pretraining step and 3
+    PPO steps, a checkpoint after each; two eval sets (greedy; 4 samples at T 1) before
+    training, at step 2 and at the end."""
+    return [
+        f"model.path={model_dir}", VARIED_REWARD, "critic.pretrain_steps=1",
+        "trainer.total_steps=3", "trainer.save_interval=1", "trainer.keep_last=20",
+        f"trainer.eval_sets=[{{path: {eval_path}, name: greedy}}, "
+        f"{{path: {eval_path}, name: sampled, n: 4, temperature: 1.0, pass_k: [1, 4]}}]",
+        "trainer.eval_interval=2",
+    ]  # fmt: skip
+
+
+def measured(record: dict) -> dict:
+    """A metrics row without what a repeat cannot reproduce (times, memory)."""
+    return {
+        k: v
+        for k, v in record.items()
+        if not k.startswith(("timing/", "memory/")) and k != "perf/tokens_per_s"
+    }
+
+
+def rows(out) -> list[dict]:
+    """Every metrics row (value pretraining, the evaluation before training, PPO), then
+    every eval.jsonl row."""
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    return [measured(r) for r in logged] + evals
+
+
+@pytest.fixture(scope="module")
+def apart(tiny_model_dir, eval_prompts, tmp_path_factory):
+    """1 trainer rank + 1 engine rank."""
+    out = tmp_path_factory.mktemp("apart") / "run"
+    train("ppo", out, *ppo_overrides(tiny_model_dir, eval_prompts), *DISAGGREGATED)
+    return out
+
+
+def test_one_trainer_and_one_engine_rank_train_exactly_as_one_colocated_rank(
+    apart, tiny_model_dir, eval_prompts, tmp_path
+):
+    """Evaluations included: sampled and scored on the engine rank, summed on the trainer."""
+    colocated = tmp_path / "colocated"
+    train("ppo", colocated, *ppo_overrides(tiny_model_dir, eval_prompts), nproc=1)
+    got, want = rows(apart), rows(colocated)
+    assert got == want
+    assert [r.get("stage") for r in got] == ["value_pretrain", "eval", *["train"] * 3, *[None] * 6]
+    assert all(r["rollout/num_samples"] == 8 for r in got if r.get("stage") == "train")
+    # 3 evaluations (before training, steps 2 and 3) of 2 sets of 12 prompts
+    assert [(r["step"], r["set"], r["prompts"]) for r in got[5:7]] == [
+        (0, "greedy", 12), (0, "sampled", 12),
+    ]  # fmt: skip
+    assert "eval/sampled/pass@4" in got[3] and "eval/sampled/pass@4" not in got[2]
+    for role in ("actor", "critic"):
+        assert same_weights(checkpoint(apart, 4)[role], checkpoint(colocated, 4)[role])
+
+
+def test_two_engine_ranks_and_two_data_parallel_trainers_train_as_two_colocated_ranks(
+    tiny_model_dir, eval_prompts, tmp_path
+):
+    """4 ranks: engine e generates what colocated DP rank e would (its slice of the prompts,
+    the same request seeds) and trainer DP rank e gets it; 2 steps, every metric equal."""
+    runs = {"apart": tmp_path / "apart", "colocated": tmp_path / "colocated"}
+    short = [*ppo_overrides(tiny_model_dir, eval_prompts), "trainer.total_steps=2"]
+    train("ppo", runs["apart"], *short, "rollout.placement=disaggregated",
+          "rollout.engine_ranks=2", nproc=4, timeout=600)  # fmt: skip
+    train("ppo", runs["colocated"], *short)
+    got, want = rows(runs["apart"]), rows(runs["colocated"])
+    assert len(got) == 1 + 1 + 2 + 2 * 2 and got == want  # evaluations at steps 0 and 2
+    for role in ("actor", "critic"):
+        a, b = checkpoint(runs["apart"], 3)[role], checkpoint(runs["colocated"], 3)[role]
+        assert same_weights(a, b)
+
+
+@pytest.mark.parametrize(
+    ("stop_at", "signal_rank", "aborted_in"),
+    [
+        ("train:2:rollout/generate", None, "rollout/generate"),  # the engine rank's generation
+        # a SIGUSR1 to the engine rank alone: the trainer learns of it through the job's store
+        ("train:2:rollout/generate", 1, "rollout/generate"),
+        # the trainer's second mini-batch of four: one update rewound, the engine idle
+        ("train:2:train/mini_batch", None, "train/mini_batch"),
+    ],
+)
+def test_a_stop_request_on_either_role_saves_the_steps_start_and_the_resume_redoes_it(
+    stop_at, signal_rank, aborted_in, apart, tiny_model_dir, eval_prompts, tmp_path
+):
+    run = tmp_path / "run"
+    overrides = [*ppo_overrides(tiny_model_dir, eval_prompts), *DISAGGREGATED]
+    stop = tmp_path / "stop"
+    first = run_torchrun(
+        "tests.torchrun.stop_in_phase",
+        ["--stop-at", stop_at,
+         *(["--signal-rank", str(signal_rank)] if signal_rank is not None else []),
+         "--config", "examples/tiny/ppo.yaml", f"trainer.output_dir={run}", *overrides],
+        env={STOP_FILE_ENV: str(stop)},
+        timeout=400,
+    ).output  # fmt: skip
+    assert f"train step 2 aborted in {aborted_in}" in first, first[-4000:]
+    if signal_rank is not None:
+        assert "stop (SIGUSR1 on rank 1): train step 2" in first
+    assert ("rewinding the step's 1 optimizer update(s)" in first) == (
+        aborted_in == "train/mini_batch"
+    )
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == "step_000002"  # value pretraining + step 1
+    assert json.loads((root / "step_000002" / "trainer_state.json").read_text())["step"] == 1
+    stop.unlink(missing_ok=True)
+    resumed = train("ppo", run, *overrides).output
+    assert f"resumed from {root / 'step_000002'} (step 1)" in resumed
+    assert rows(run) == rows(apart)
+    for role in ("actor", "critic"):
+        assert same_weights(checkpoint(run, 4)[role], checkpoint(apart, 4)[role])
