@@ -34,6 +34,10 @@ BENCHMARKS = {
         "tools.bench_rewards",
         "math reward samples/s: math_verify (symbolic) vs fast, inline and with the Ray pool",
     ),
+    "async": (
+        "tools.bench_async",
+        "time per PPO step: engines colocated vs on ranks of their own, synchronous and one-step-off",
+    ),
     "step_breakdown": (
         "tools.bench_step_breakdown",
         "tiny demo RL step: shares of generate / score / experience / train / sync",

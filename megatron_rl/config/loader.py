@@ -134,6 +134,12 @@ def _parse_items(value: Any, meta: dict, key: str) -> tuple:
         raise ConfigError(str(e)) from None
 
 
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML: its name, or its metadata's "key" where the name cannot be
+    one (`async` is a Python keyword: field `async_`, key `async`)."""
+    return f.metadata.get("key", f.name)
+
+
 def from_dict(cls, data: Any, prefix: str = ""):
     """Build dataclass `cls` from nested dicts; unknown keys are errors with a suggestion."""
     if isinstance(data, cls):
@@ -141,7 +147,7 @@ def from_dict(cls, data: Any, prefix: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"config key {prefix or '<root>'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {yaml_key(f): f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -151,11 +157,11 @@ def from_dict(cls, data: Any, prefix: str = ""):
                 f" (did you mean {(prefix + '.' if prefix else '') + close[0]!r}?)" if close else ""
             )
             raise ConfigError(f"unknown config key {key!r}{hint}; known here: {sorted(fields)}")
-        meta = fields[name].metadata
+        attr, meta = fields[name].name, fields[name].metadata
         if "items_parsed_by" in meta:
-            kwargs[name] = _parse_items(value, meta, key)
+            kwargs[attr] = _parse_items(value, meta, key)
         else:
-            kwargs[name] = _coerce(value, hints[name], key)
+            kwargs[attr] = _coerce(value, hints[attr], key)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -177,7 +183,7 @@ def to_dict(config) -> dict:
                     {tag: getattr(type(item), tag), **plain}
                     for item, plain in zip(getattr(config, f.name), value, strict=True)
                 ]
-            out[f.name] = value
+            out[yaml_key(f)] = value
         return out
     if isinstance(config, torch.dtype):
         return str(config).removeprefix("torch.")

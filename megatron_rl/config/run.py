@@ -19,6 +19,7 @@ from megatron_rl.algorithms.advantages import AdvantageConfig, estimator_traits
 from megatron_rl.config.loader import load
 from megatron_rl.config.sections import (
     ActorConfig,
+    AsyncConfig,
     CriticConfig,
     ModelConfig,
     RewardsConfig,
@@ -40,6 +41,7 @@ class TrainConfig:
     algorithm: AdvantageConfig = field(default_factory=AdvantageConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
 
     @property
     def use_critic(self) -> bool:

@@ -63,6 +63,12 @@ def check_placement(config: TrainConfig, world_size: int) -> None:
     rank, and only what its first slice runs (docs/design/async.md §6)."""
     r = config.rollout
     if r.placement != "disaggregated":
+        if config.async_.max_staleness:
+            raise ConfigError(
+                f"async.max_staleness={config.async_.max_staleness} needs "
+                "rollout.placement=disaggregated: colocated engines and trainers take turns "
+                "on the same devices, so generation cannot run ahead"
+            )
         return
     if r.engine_ranks >= world_size:
         raise ConfigError(

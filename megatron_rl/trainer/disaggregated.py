@@ -53,10 +53,25 @@ class Generate:
 
 
 @dataclass(frozen=True)
+class Rounds:
+    """Generate PPO steps `step`..`end - 1`, round after round, from data position `data`:
+    round r starts once you hold a version >= r - `max_staleness`; answer each (`Rated`);
+    read commands only while waiting for a version, and after the last round or an aborted
+    one."""
+
+    step: int
+    end: int
+    data: dict
+    max_staleness: int
+
+
+@dataclass(frozen=True)
 class Weights:
-    """The actor's tensors as policy `version` follow on the bridge."""
+    """The actor's tensors as policy `version` follow on the bridge; with `evaluate_step`,
+    evaluate with them at once and answer the sums."""
 
     version: int
+    evaluate_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +89,7 @@ class Shutdown:
 
 @dataclass
 class Rated:
-    """An engine replica's answer to `Generate`."""
+    """An engine replica's answer to `Generate`, or to one round of `Rounds`."""
 
     replica: int
     groups: list
@@ -83,6 +98,10 @@ class Rated:
     """The prompt stream's position after this replica's draws."""
     aborted: str | None = None
     """The phase a stop request aborted the rollout in (then no groups)."""
+    round: int = 0
+    """The step it is the rollout of."""
+    version: int = 0
+    """The policy version that generated it."""
 
 
 def cross_role_groups(placement: Placement, store, rank: int):
@@ -117,66 +136,166 @@ def deal(results: list[Rated], dp_size: int) -> tuple[list[list], dict, dict, st
     return shares, metrics, furthest([r.data for r in results]), aborted
 
 
+@dataclass
+class RoundsInFlight:
+    """What the trainers know of the engines' rounds (`Rounds`): replica e answers round
+    `next_round[e]` next; it starts a round r only while it holds a version >= r -
+    max_staleness (the admission rule: every sample of round r is then at most max_staleness
+    versions behind the policy step r trains), and stops at `end` or after an aborted round.
+    So before any command the trainers can receive exactly the answers the engines will send
+    before reading it (`due`): no send is left waiting on a receive while a broadcast waits
+    for its sender."""
+
+    end: int
+    max_staleness: int
+    next_round: list[int]
+    stopped: list[bool]
+
+    @classmethod
+    def starting(cls, step: int, end: int, max_staleness: int, replicas: int):
+        return cls(end, max_staleness, [step] * replicas, [False] * replicas)
+
+    def due(self, replica: int, version: int) -> bool:
+        """Whether `replica`, holding `version`, answers another round before it reads a
+        command."""
+        r = self.next_round[replica]
+        return not self.stopped[replica] and r < self.end and r - self.max_staleness <= version
+
+    def answered(self, replica: int, aborted: bool) -> None:
+        self.next_round[replica] += 1
+        self.stopped[replica] = self.stopped[replica] or aborted
+
+
 class EngineRanks:
     """The engine ranks, seen from the trainers: every trainer rank calls each method at the
-    same point (the trainers' default group carries the results from trainer rank 0)."""
+    same point (the trainers' default group carries the results from trainer rank 0, the
+    only one talking to the engines)."""
 
-    def __init__(self, placement: Placement, store, ctx):
-        self.placement, self.ctx = placement, ctx
+    def __init__(self, placement: Placement, store, ctx, max_staleness: int = 0):
+        self.placement, self.ctx, self.max_staleness = placement, ctx, max_staleness
         self.stream, self.bridge = cross_role_groups(placement, store, ctx.rank)
         # which DP rank each trainer rank is, for dealing the groups
         dp_ranks = [None] * ctx.world_size
         torch.distributed.all_gather_object(dp_ranks, ctx.dp_rank)
         self.dp_ranks = dp_ranks
         self.bucket_bytes = int(WeightSyncConfig().bucket_mb * 2**20)
+        self.version = 0
+        """The policy version the engines hold: what was pushed last (0: the starting
+        weights, which the engines load themselves)."""
+        self.rounds: RoundsInFlight | None = None
+        self.pending: dict[int, list[Rated]] = {}
+        """Answers received ahead of their step, by round."""
 
     @property
     def is_source(self) -> bool:
         return self.stream is not None
 
-    def generate(self, stage: str, step: int, data: dict):
-        """(this rank's DP share of the rated groups, rollout metrics, data position after
-        the draws, the aborting phase or None) of `stage` step `step` from position `data`."""
+    @property
+    def replicas(self) -> int:
+        return self.placement.engine_ranks
+
+    def _share(self, results: list[Rated] | None):
+        """Rank 0's answers dealt: (this rank's DP share of the groups, rollout metrics,
+        the data position after the draws, the aborting phase or None, the version that
+        generated them)."""
         answers = None
         if self.is_source:
-            broadcast_object(self.stream, Generate(stage, step, data), root=0)
-            results = [
-                recv_object(self.stream, src=1 + e) for e in range(self.placement.engine_ranks)
-            ]
             shares, metrics, position, aborted = deal(results, self.ctx.dp_size)
-            answers = [(shares[d], metrics, position, aborted) for d in self.dp_ranks]
+            version = min(r.version for r in results)
+            answers = [(shares[d], metrics, position, aborted, version) for d in self.dp_ranks]
         mine = [None]
         torch.distributed.scatter_object_list(mine, answers, src=0)
         return mine[0]
 
+    def generate(self, stage: str, step: int, data: dict):
+        """`stage` step `step`'s rollout from data position `data`, generated now with the
+        weights the engines hold (synchronous: value pretraining, whose policy is frozen);
+        returns as `_share`."""
+        results = None
+        if self.is_source:
+            self._drain()
+            broadcast_object(self.stream, Generate(stage, step, data), root=0)
+            results = [recv_object(self.stream, src=1 + e) for e in range(self.replicas)]
+        return self._share(results)
+
+    def round(self, step: int, end: int, data: dict):
+        """PPO step `step`'s rollout (returned as `_share`): the engines generate steps
+        `step`..`end - 1` ahead as far as `max_staleness` allows, from data position `data`
+        (used when this is the first round asked for)."""
+        results = None
+        if self.is_source:
+            if self.rounds is None:
+                self.rounds = RoundsInFlight.starting(step, end, self.max_staleness, self.replicas)
+                broadcast_object(self.stream, Rounds(step, end, data, self.max_staleness), root=0)
+            for e in range(self.replicas):
+                while self.rounds.next_round[e] <= step and self.rounds.due(e, self.version):
+                    self._receive(e)
+            results = self.pending.pop(step, [])
+            if len(results) != self.replicas:
+                raise RuntimeError(
+                    f"round {step}: {len(results)} of {self.replicas} engine replicas "
+                    f"answered (engines hold version {self.version}, max_staleness "
+                    f"{self.max_staleness}): a protocol bug"
+                )
+        return self._share(results)
+
+    def _receive(self, replica: int) -> None:
+        answer = recv_object(self.stream, src=1 + replica)
+        self.rounds.answered(replica, answer.aborted is not None)
+        self.pending.setdefault(answer.round, []).append(answer)
+
+    def _drain(self) -> None:
+        """Receive every answer the engines send before they read a command."""
+        if self.rounds is None:
+            return
+        for e in range(self.replicas):
+            while self.rounds.due(e, self.version):
+                self._receive(e)
+
+    def _command(self, command) -> None:
+        self._drain()
+        broadcast_object(self.stream, command, root=0)
+
     def evaluate(self, step: int) -> list[torch.Tensor]:
         """Each eval set's sums over all its prompts at PPO step `step`, on every trainer
-        rank: each engine replica evaluates its slice (`Evaluator.local_sums`)."""
+        rank: each engine replica evaluates its slice (`Evaluator.local_sums`) with the
+        weights it holds."""
         total = None
         if self.is_source:
-            broadcast_object(self.stream, Evaluate(step), root=0)
-            answers = [
-                recv_object(self.stream, src=1 + e) for e in range(self.placement.engine_ranks)
-            ]
-            total = [sum(sets) for sets in zip(*answers, strict=True)]
+            self._command(Evaluate(step))
+            total = self._eval_sums()
         shared = [total]
         torch.distributed.broadcast_object_list(shared, src=0)
         return shared[0]
 
-    def push(self, actor, version: int) -> dict[str, float]:
+    def _eval_sums(self) -> list[torch.Tensor]:
+        answers = [recv_object(self.stream, src=1 + e) for e in range(self.replicas)]
+        return [sum(sets) for sets in zip(*answers, strict=True)]
+
+    def push(self, actor, version: int, evaluate_step: int | None = None):
         """The actor's weights to every engine as policy `version` (every trainer rank: the
-        first replica's ranks export, TP-gathered and PP stage by stage; rank 0 sends)."""
-        if self.ctx.dp_rank != 0:
-            return {}
-        tensors = all_stage_tensors(actor.chunks, actor.arch, self.bucket_bytes)
-        if not self.is_source:
-            for _ in tensors:  # the export's collectives in this rank's TP and PP groups
-                pass
-            return {}
-        broadcast_object(self.stream, Weights(version), root=0)
-        return push_weights(self.bridge, tensors, version, self.bucket_bytes)
+        first replica's ranks export, TP-gathered and PP stage by stage; rank 0 sends).
+        With `evaluate_step`, the engines evaluate with them at once, before any further
+        round: returns the sums as `evaluate` does (None otherwise)."""
+        sums = None
+        if self.ctx.dp_rank == 0:
+            tensors = all_stage_tensors(actor.chunks, actor.arch, self.bucket_bytes)
+            if self.is_source:
+                self._command(Weights(version, evaluate_step))
+                push_weights(self.bridge, tensors, version, self.bucket_bytes)
+                if evaluate_step is not None:
+                    sums = self._eval_sums()
+            else:
+                for _ in tensors:  # the export's collectives in this rank's TP and PP groups
+                    pass
+        self.version = version
+        if evaluate_step is None:
+            return None
+        shared = [sums]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return shared[0]
 
     def shutdown(self) -> None:
         if self.is_source:
-            broadcast_object(self.stream, Shutdown(), root=0)
+            self._command(Shutdown())
             self.stream = self.bridge = None

@@ -19,6 +19,7 @@ from megatron_rl.trainer.disaggregated import (
     Evaluate,
     Generate,
     Rated,
+    Rounds,
     Shutdown,
     Weights,
     cross_role_groups,
@@ -59,41 +60,71 @@ class EngineWorker:
 
     def run(self) -> None:
         """Answer commands until Shutdown."""
-        while True:
-            command = broadcast_object(self.stream, None, root=0)
-            if isinstance(command, Shutdown):
-                return
-            if isinstance(command, Weights):
-                self.load_weights()
-            elif isinstance(command, Generate):
-                send_object(self.stream, self.generate(command), dst=0)
-            elif isinstance(command, Evaluate):
-                send_object(self.stream, self.evaluator.local_sums(command.step), dst=0)
-            else:
-                raise TypeError(f"engine rank: unknown command {command!r}")
+        while self.obey():
+            pass
+
+    def obey(self) -> bool:
+        """Read one command from trainer rank 0 and carry it out; False on Shutdown."""
+        command = broadcast_object(self.stream, None, root=0)
+        if isinstance(command, Shutdown):
+            return False
+        if isinstance(command, Weights):
+            self.load_weights()
+            if command.evaluate_step is not None:
+                send_object(self.stream, self.evaluator.local_sums(command.evaluate_step), dst=0)
+        elif isinstance(command, Generate):
+            self.prompts.load_state_dict(command.data)
+            send_object(self.stream, self.generate(command.stage, command.step), dst=0)
+        elif isinstance(command, Rounds):
+            return self.rounds(command)
+        elif isinstance(command, Evaluate):
+            send_object(self.stream, self.evaluator.local_sums(command.step), dst=0)
+        else:
+            raise TypeError(f"engine rank: unknown command {command!r}")
+        return True
+
+    def rounds(self, command: Rounds) -> bool:
+        """PPO steps command.step.. end - 1 from command.data on, each started once the
+        weights held are at most max_staleness versions behind it (`RoundsInFlight` is the
+        trainers' mirror of this loop); commands are read while waiting for weights. False
+        when one was Shutdown."""
+        self.prompts.load_state_dict(command.data)
+        for step in range(command.step, command.end):
+            while self.version < step - command.max_staleness:
+                if not self.obey():
+                    return False
+            answer = self.generate("train", step)
+            send_object(self.stream, answer, dst=0)
+            if answer.aborted:
+                break
+        return True
 
     def load_weights(self) -> None:
         version, pairs = receive_weights(self.bridge, root=0)
         self.engine.update_weights(checked(pairs, self.expected, self.engine.dtype))
         self.version = version
 
-    def generate(self, command: Generate) -> Rated:
-        """This replica's share of the step; a stop request (this rank's own, or one
-        published in the job's store) aborts it, answered with no groups."""
-        self.prompts.load_state_dict(command.data)
+    def generate(self, stage: str, step: int) -> Rated:
+        """This replica's share of `stage` step `step`, drawn from where the prompts are; a
+        stop request (this rank's own, or one published in the job's store) aborts it,
+        answered with no groups."""
 
         def stop() -> bool:
             return STOP.requested
 
+        start = self.prompts.state_dict()
         shard = DataParallelShard(self.prompts, self.replica, self.replicas)
         try:
             rollout = generate_round(
-                self.config, command.stage, command.step, shard, self.engine, self.pool,
+                self.config, stage, step, shard, self.engine, self.pool,
                 self.tokenizer, should_stop=stop, stop_generation=stop,
             )  # fmt: skip
         except StepAborted as e:
-            return Rated(self.replica, [], {}, command.data, aborted=e.phase)
-        return Rated(self.replica, rollout.groups, rollout.metrics, self.prompts.state_dict())
+            return Rated(self.replica, [], {}, start, e.phase, step, self.version)
+        return Rated(
+            self.replica, rollout.groups, rollout.metrics, self.prompts.state_dict(), None,
+            step, self.version,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.pool.close()

@@ -191,8 +191,10 @@ class RLTrainer:
         if stale:
             print(f"removed {len(stale)} shared-memory file(s) a killed run left: {stale}")
         self.engine = self.engine_ranks = None
+        self.pushed_eval = None
+        """With engine ranks: the eval sums they made right after the last push."""
         if roles:  # the engines are other ranks (`trainer/engine_worker.py`)
-            self.engine_ranks = EngineRanks(roles[0], roles[1], self.ctx)
+            self.engine_ranks = EngineRanks(roles[0], roles[1], self.ctx, c.async_.max_staleness)
         else:
             engines = rollout_layout(c, self.ctx.world_size)
             # The engine sizes its KV cache from the device memory free now: what the config
@@ -355,7 +357,7 @@ class RLTrainer:
         """PPO steps to `trainer.total_steps` (evaluations first at step 0); False when a stop
         request ended them early."""
         t = self.config.trainer
-        total, interval, eval_interval = t.total_steps, t.save_interval, t.eval_interval
+        total, interval = t.total_steps, t.save_interval
         if self.evaluator and self.step == 0:
             with self.watchdog.watch("the evaluation before training"):
                 self.logger.log(0, self.evaluate(), "eval")
@@ -366,9 +368,7 @@ class RLTrainer:
                 if metrics is None:
                     return False
                 step = self.step
-                if self.evaluator and (
-                    step == total or (eval_interval and step % eval_interval == 0)
-                ):
+                if self.eval_due(step):
                     metrics.update(self.evaluate())
                 self.logger.log(step, metrics)
                 stop = self.stop_requested_anywhere()
@@ -387,11 +387,17 @@ class RLTrainer:
         rank (dynamic filtering can come back short), and the rollout metrics. Made here
         (colocated) or by the engine ranks (disaggregated), the same groups either way."""
         if self.engine_ranks is not None:
-            groups, metrics, data, aborted = self.engine_ranks.generate(
-                stage, step, self.prompts.state_dict()
-            )
+            data = self.prompts.state_dict()
+            if stage == "train":  # generated ahead as async.max_staleness allows
+                total = self.config.trainer.total_steps
+                answer = self.engine_ranks.round(step, total, data)
+            else:  # value pretraining: its policy is frozen, nothing to run ahead of
+                answer = self.engine_ranks.generate(stage, step, data)
+            groups, metrics, data, aborted, version = answer
             self.abort_point(aborted or "rollout", aborted is not None)
             self.prompts.load_state_dict(data)  # the draws the engines made
+            if stage == "train":
+                metrics = {**metrics, "rollout/staleness": self.staleness(step, version)}
         else:
             aborted = None
             try:
@@ -474,12 +480,35 @@ class RLTrainer:
         if self.engine is not None:
             self.engine.sleep(level=level)
 
-    def send_weights(self) -> dict[str, float]:
+    def send_weights(self, evaluate: bool = False) -> None:
         """The actor's current weights into the engines: the colocated one in place
-        (`sync_weights`), or pushed to the engine ranks as policy version `step`."""
-        if self.engine_ranks is not None:
-            return self.engine_ranks.push(self.actor, version=self.step)
-        return sync_weights(self.actor, self.engine)
+        (`sync_weights`), or pushed to the engine ranks as policy version `step`, which with
+        `evaluate` evaluate with them at once (`evaluate` then uses their sums: pushed
+        later, the weights would be those of a later step)."""
+        if self.engine_ranks is None:
+            sync_weights(self.actor, self.engine)
+            return
+        self.pushed_eval = self.engine_ranks.push(
+            self.actor, self.step, self.step if evaluate else None
+        )
+
+    def staleness(self, step: int, version: int) -> float:
+        """How many updates older than the policy PPO step `step` trains (version `step`)
+        the one that generated its rollout is; never more than async.max_staleness."""
+        lag, bound = step - version, self.config.async_.max_staleness
+        if not 0 <= lag <= bound:  # the engines' admission rule makes this a bug, never data
+            raise RuntimeError(
+                f"step {step + 1} got a rollout of policy version {version}: staleness {lag} "
+                f"outside [0, async.max_staleness={bound}]"
+            )
+        return float(lag)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether the run evaluates after PPO step `step`."""
+        t = self.config.trainer
+        return bool(self.evaluator) and (
+            step == t.total_steps or bool(t.eval_interval and step % t.eval_interval == 0)
+        )
 
     @contextmanager
     def roles_resident(self):
@@ -560,6 +589,8 @@ class RLTrainer:
             groups, metrics = self.generate_and_score("train", step)
         if not groups:  # dynamic filtering found nothing informative within its cap
             self.step += 1
+            if self.engine_ranks is not None:  # the same weights, but the next version:
+                self.send_weights(evaluate=self.eval_due(self.step))  # the engines count
             metrics["actor/skipped_update"] = 1.0
             metrics.update(self.memory.end_step(self.step, "train"))
             return reduce_over_ranks(metrics)
@@ -584,7 +615,7 @@ class RLTrainer:
         self.wake_engine(("weights",))
         self.step += 1  # the weights sent are policy version `step`
         with self.phase("sync"):
-            self.send_weights()
+            self.send_weights(evaluate=self.eval_due(self.step))
         self.offload("actor")  # its parameters: unused until the next experience
         self.wake_engine(("kv_cache",))
         t4 = time.perf_counter()
@@ -610,7 +641,10 @@ class RLTrainer:
     def evaluate(self) -> dict[str, float]:
         """Every eval set at this step (`Evaluator`), one row per set in eval.jsonl."""
         if self.engine_ranks is not None:  # sampled and scored there, summed here
-            metrics, rows = self.evaluator.summarize(self.engine_ranks.evaluate(self.step))
+            sums, self.pushed_eval = self.pushed_eval, None  # made right after a push
+            metrics, rows = self.evaluator.summarize(
+                sums if sums is not None else self.engine_ranks.evaluate(self.step)
+            )
         else:
             metrics, rows = self.evaluator.evaluate(self.step)
         self.logger.log_eval(self.step, rows)

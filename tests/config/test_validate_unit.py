@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config, validate_config
+from megatron_rl.config import ConfigError, load_config, to_dict, validate_config
 
 
 def config_for(tiny_model_dir, *overrides):
@@ -215,3 +215,15 @@ def test_placement_and_engine_ranks_must_agree(tiny_model_dir):
         config_for(tiny_model_dir, "rollout.placement=disaggregated")
     with pytest.raises(ConfigError, match="placement must be one of"):
         config_for(tiny_model_dir, "rollout.placement=apart")
+
+
+def test_max_staleness_needs_engines_apart_and_partial_rollouts_beyond_one(tiny_model_dir):
+    """YAML key `async` (a Python keyword: the field is `async_`), read and written back."""
+    config = config_for(tiny_model_dir, "async.max_staleness=1")
+    assert config.async_.max_staleness == 1 and to_dict(config)["async"] == {"max_staleness": 1}
+    with pytest.raises(
+        ConfigError, match="async.max_staleness=1 needs rollout.placement=disaggregated"
+    ):
+        validate_config(config, world_size=2)
+    with pytest.raises(ConfigError, match="max_staleness must be 0 or 1, got 2 .*partial"):
+        config_for(tiny_model_dir, "async.max_staleness=2")

@@ -102,3 +102,18 @@ def test_bench_entry_lists_and_refuses_unknown_names(capsys):
     listed = capsys.readouterr().out
     assert all(name in listed for name in BENCHMARKS)
     assert main(["nope"]) == 2 and "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.e2e  # three short training runs: ~3 min, the journeys' tier
+def test_bench_async_times_each_placement_against_colocated(tmp_path):
+    from tools.bench_async import main
+
+    out = tmp_path / "results.jsonl"
+    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--out", str(out)])
+    (line,) = out.read_text().splitlines()
+    result = json.loads(line)
+    assert result["model"] == "fresh tiny random" and result["steps_measured"] == 2
+    assert result["colocated"]["ratio_to_colocated"] == 1.0
+    for mode in ("colocated", "apart_k0", "apart_k1"):
+        assert result[mode]["step_s"] > 0 and result[mode]["response_length"] > 0
+    assert result["ideal_ratio_k1_over_k0"] >= 1.0

@@ -98,15 +98,13 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
 
     engine_generate = EngineWorker.generate
 
-    def engine_generate_arming(self, command):
+    def engine_generate_arming(self, rollout_stage, rollout_step):
         # an engine rank of a disaggregated placement: the generation is its own
         rank["r"] = self.rank
-        armed["on"] = phase == "rollout/generate" and (command.stage, command.step + 1) == (
-            stage,
-            int(step),
-        )
+        here = (rollout_stage, rollout_step + 1) == (stage, int(step))
+        armed["on"] = phase == "rollout/generate" and here
         try:
-            return engine_generate(self, command)
+            return engine_generate(self, rollout_stage, rollout_step)
         finally:
             armed["on"] = False
 

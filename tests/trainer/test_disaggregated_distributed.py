@@ -21,7 +21,7 @@ import pytest
 from megatron_rl.launch import run_torchrun
 from megatron_rl.preemption import STOP_FILE_ENV
 from tests.checkpoints import same_weights
-from tests.trainer.runs import VARIED_REWARD, checkpoint, train
+from tests.trainer.runs import VARIED_REWARD, checkpoint, metrics, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
@@ -51,12 +51,18 @@ def ppo_overrides(model_dir, eval_path) -> list[str]:
 
 
 def measured(record: dict) -> dict:
-    """A metrics row without what a repeat cannot reproduce (times, memory)."""
+    """A metrics row without what a repeat cannot reproduce (times, memory) and what only a
+    disaggregated run logs (`rollout/staleness`: `staleness` reads it)."""
     return {
         k: v
         for k, v in record.items()
-        if not k.startswith(("timing/", "memory/")) and k != "perf/tokens_per_s"
+        if not k.startswith(("timing/", "memory/"))
+        and k not in ("perf/tokens_per_s", "rollout/staleness")
     }
+
+
+def staleness(out) -> list[float]:
+    return [r["rollout/staleness"] for r in metrics(out)]
 
 
 def rows(out) -> list[dict]:
@@ -82,7 +88,7 @@ def test_one_trainer_and_one_engine_rank_train_exactly_as_one_colocated_rank(
     colocated = tmp_path / "colocated"
     train("ppo", colocated, *ppo_overrides(tiny_model_dir, eval_prompts), nproc=1)
     got, want = rows(apart), rows(colocated)
-    assert got == want
+    assert got == want and staleness(apart) == [0, 0, 0]
     assert [r.get("stage") for r in got] == ["value_pretrain", "eval", *["train"] * 3, *[None] * 6]
     assert all(r["rollout/num_samples"] == 8 for r in got if r.get("stage") == "train")
     # 3 evaluations (before training, steps 2 and 3) of 2 sets of 12 prompts
@@ -150,3 +156,57 @@ def test_a_stop_request_on_either_role_saves_the_steps_start_and_the_resume_redo
     assert rows(run) == rows(apart)
     for role in ("actor", "critic"):
         assert same_weights(checkpoint(run, 4)[role], checkpoint(apart, 4)[role])
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_model_dir, eval_prompts, tmp_path_factory):
+    """async.max_staleness=1: step s's rollout generated with the weights after step s - 2
+    while step s - 1 trains (the first one's with the weights it trains)."""
+    out = tmp_path_factory.mktemp("one_step_off") / "run"
+    train("ppo", out, *ppo_overrides(tiny_model_dir, eval_prompts), *DISAGGREGATED,
+          "async.max_staleness=1")  # fmt: skip
+    return out
+
+
+def test_one_step_off_trains_on_rollouts_one_version_behind(one_step_off, apart):
+    """Staleness 0 then 1 at every step; value pretraining, the evaluation before training
+    and PPO step 1 (the same weights generate its rollout) are the synchronous run's, step 2's
+    rollout is not (other weights made it); evaluations use the weights of their step."""
+    assert staleness(one_step_off) == [0, 1, 1]
+    got, want = rows(one_step_off), rows(apart)
+    assert got[:3] == want[:3]  # value pretraining, eval at step 0, PPO step 1
+    assert got[3] != want[3]
+    assert [r["step"] for r in got[5:]] == [0, 0, 2, 2, 3, 3]  # eval.jsonl: 2 sets each time
+
+
+def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
+    one_step_off, tiny_model_dir, eval_prompts, tmp_path
+):
+    """At max_staleness 1 a stop between step 2's mini-batches lands while the engine
+    generates step 3's rollout: the trainer rewinds and saves step 1, the engine's round in
+    flight is dropped (aborted or received and discarded), every rank exits 0. The resume
+    regenerates step 2's rollout with the weights of step 1 (staleness 0: the uninterrupted
+    run's were one update older, so the runs part there) and finishes."""
+    run = tmp_path / "run"
+    overrides = [
+        *ppo_overrides(tiny_model_dir, eval_prompts),
+        *DISAGGREGATED,
+        "async.max_staleness=1",
+    ]
+    stop = tmp_path / "stop"
+    first = run_torchrun(
+        "tests.torchrun.stop_in_phase",
+        ["--stop-at", "train:2:train/mini_batch", "--config", "examples/tiny/ppo.yaml",
+         f"trainer.output_dir={run}", *overrides],
+        env={STOP_FILE_ENV: str(stop)},
+        timeout=400,
+    ).output  # fmt: skip
+    assert "train step 2 aborted in train/mini_batch" in first, first[-4000:]
+    root = run / "checkpoints"
+    assert (root / "latest").read_text() == "step_000002"
+    stop.unlink()
+    resumed = train("ppo", run, *overrides).output
+    assert f"resumed from {root / 'step_000002'} (step 1)" in resumed
+    assert staleness(run) == [0, 0, 1]
+    got, want = rows(run), rows(one_step_off)
+    assert got[:3] == want[:3] and len(got) == len(want)

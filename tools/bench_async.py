@@ -1,0 +1,127 @@
+"""Benchmark: time per PPO step with the engines colocated against apart (#45), on the same
+cores, from the trainer's own timers.
+
+    python -m tools.bench async [--model runs/demo/tiny-sft-sums --steps 6 --shape demo|long]
+
+Three runs of `examples/tiny/vapo_count_on.yaml` (the demo's recipe: VAPO, 16 prompts x 8
+samples) with 2 processes each, one after the other:
+- colocated: 2 ranks, TP 2, each rank training and generating in turn (vLLM TP 2);
+- disaggregated, synchronous (async.max_staleness=0): rank 0 trains (TP 1), rank 1 generates;
+- one-step-off (async.max_staleness=1): the same ranks, step s's rollout generated while
+  step s - 1 trains.
+Reported per run: the median step time over the steps after the first (warm-up) and its
+ratio to colocated; for the apart runs also the trainer's wait for rollouts and for the
+push (`timing/rollout_s`, `timing/sync_s`). The ideal overlap the phases allow, from the
+synchronous apart run: one-step-off can at best take max(generation, training + push) per
+step instead of their sum, so `ideal_ratio_k1` = step_k0 / max(rollout_k0, step_k0 -
+rollout_k0) bounds what k = 1 can gain over k = 0 on these cores.
+`--shape long`: a generation-heavy shape (32 samples per prompt, up to 256 new tokens, the
+same number of updates), where generation dominates as it does for long chains of thought.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+from megatron_rl.launch import run_torchrun
+from tools.bench_common import record
+
+RECIPE = "examples/tiny/vapo_count_on.yaml"
+MODES = {
+    "colocated": [],
+    "apart_k0": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
+                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=0"],
+    "apart_k1": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
+                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=1"],
+}  # fmt: skip
+SHAPES = {
+    "demo": [],
+    # 4 prompts x 32 samples (the demo's 128 sequences), long responses: generation-bound
+    "long": ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=32",
+             "rollout.max_new_tokens=256", "rollout.max_model_len=512"],
+}  # fmt: skip
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    """Median seconds of the step and of the trainer's waits, over the steps after the
+    first."""
+    measured = rows[1:]
+
+    def median(key: str) -> float:
+        return round(statistics.median(r[key] for r in measured), 3)
+
+    return {
+        "step_s": median("timing/step_s"),
+        "rollout_wait_s": median("timing/rollout_s"),
+        "sync_s": median("timing/sync_s"),
+        "response_length": round(
+            statistics.fmean(r["rollout/response_length/mean"] for r in measured), 1
+        ),
+    }
+
+
+def ideal_ratio_k1(k0: dict[str, float]) -> float:
+    """What one-step-off can at best gain over the synchronous apart run: its step is the
+    rollout plus the rest; overlapped, the longer of the two."""
+    rest = k0["step_s"] - k0["rollout_wait_s"]
+    return round(k0["step_s"] / max(k0["rollout_wait_s"], rest), 3)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="runs/demo/tiny-sft-sums")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    p.add_argument("--out", default="bench/results.jsonl")
+    a = p.parse_args(argv)
+    if a.steps < 3:
+        p.error("--steps must be >= 3 (the first step is warm-up)")
+    modes = a.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or "colocated" not in modes:
+        p.error(f"--modes: {unknown or 'colocated (the baseline) missing'}; known {list(MODES)}")
+
+    work = Path(tempfile.mkdtemp(prefix="bench_async-"))
+    results = {}
+    try:
+        model = Path(a.model)
+        if not (model / "config.json").exists():
+            from examples.tiny_model import make_tiny_model
+
+            model = make_tiny_model(work / "tiny-qwen2")
+        for mode in modes:
+            out = work / mode
+            args = [
+                "--config", RECIPE, f"model.path={model}", f"trainer.output_dir={out}",
+                f"trainer.total_steps={a.steps}", "critic.pretrain_steps=0",
+                "trainer.eval_sets=[]", *SHAPES[a.shape], *MODES[mode],
+            ]  # fmt: skip
+            run_torchrun("megatron_rl.cli.train", args, nproc=2, timeout=3600)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            results[mode] = summary([r for r in rows if r["stage"] == "train"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = results["colocated"]["step_s"]
+    line = {
+        "recipe": RECIPE,
+        "shape": a.shape,
+        "model": str(a.model) if model == Path(a.model) else "fresh tiny random",
+        "steps_measured": a.steps - 1,
+        **{
+            mode: {**r, "ratio_to_colocated": round(base / r["step_s"], 3)}
+            for mode, r in results.items()
+        },
+    }
+    if "apart_k0" in results:
+        line["ideal_ratio_k1_over_k0"] = ideal_ratio_k1(results["apart_k0"])
+    record("async", line, a.out)
+
+
+if __name__ == "__main__":
+    main()
