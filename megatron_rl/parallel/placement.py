@@ -100,6 +100,8 @@ def initialize_role(placement: Placement, timeout_minutes: float = 30.0) -> tupl
     store = job_store(timeout)
     role = placement.role(rank)
     role_rank, role_size = placement.role_rank(rank), placement.role_size(role)
+    if torch.cuda.is_available():  # before the NCCL group: its ranks' devices, not all GPU 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(
         "nccl" if torch.cuda.is_available() else "gloo",
         store=dist.PrefixStore(f"role_{role}/", store),

@@ -1,29 +1,37 @@
 """The two roles of a disaggregated placement talking (#45; docs/design/async.md §3): the
 trainers' side (`EngineRanks`) and what passes between them and the engine ranks
-(`trainer/engine_worker.py`). Synchronous (max_staleness 0): each step's rollout is made
-with the weights of the step before, exactly as colocated.
+(`trainer/engine_worker.py`).
 
 Two groups span the roles, both made on the job's store (`parallel/placement.py`) with
 trainer rank 0 as rank 0 and engine rank e as rank 1 + e: the *stream* (gloo always: commands
 and rated samples are host objects; no device sync for control) and the *bridge* (NCCL on
 GPU: the actor's tensors, `sync/weight_push.py`).
 
-One step, k = 0:
+PPO steps, k = async.max_staleness (0 or 1):
 
     trainer rank 0                              engine rank e (one of E replicas)
-    Generate(stage, step, data position) -----> its share: rollout_batch_size / E prompts
-                                                 drawn from that position, rated
+    Rounds(step, end, data position, k) ------>  for r in step..end-1: wait (reading
+                                                 commands) until it holds version >= r - k;
+                                                 rate its share of step r's prompts
                                                  (`rounds.generate_round`, as colocated)
-    <------------------------------------------- Rated(e, groups, metrics, position, aborted)
+    <------------------------------------------- Rated(e, groups, ..., round r, version)
     groups dealt to the trainers' DP ranks; experience; PPO update
-    Weights(version) and the tensors (bridge) --> checked, reloaded in place
+    Weights(r + 1[, evaluate]) and the tensors --> checked, reloaded in place[, eval sums]
     ...
     Shutdown ----------------------------------> exits
 
-A stop request reaches both roles through the job's store: an engine aborts its share within
+At k = 0 step r's rollout is made with the weights step r trains: the colocated run, exactly.
+At k = 1 the engine makes step r + 1's while step r trains (one-step-off). Before each command
+the trainers receive every answer the engines send first (`RoundsInFlight`): a gloo send
+waits for its receive, so an answer left unreceived would block the engine that a command
+broadcast waits for. Value pretraining (policy frozen) asks for one round at a time
+(`Generate`); evaluations ride on a push (or `Evaluate`).
+
+A stop request reaches both roles through the job's store: an engine aborts its round within
 a few engine steps and answers `aborted`, the trainers abort the step as colocated (its start
-is saved) and `close` sends Shutdown. Engines hold no state a resume needs: the data position
-travels with each Generate and comes back advanced, so checkpoints are the colocated ones.
+is saved) and `close` receives what is due, then sends Shutdown. The data position the
+checkpoint keeps is the trainers' (each answer brings back where its draws ended): what was
+generated ahead is regenerated on resume.
 """
 
 from __future__ import annotations
