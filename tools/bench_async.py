@@ -1,11 +1,13 @@
 """Benchmark: time per PPO step with the engines colocated against apart (#45), on the same
 cores, from the trainer's own timers.
 
-    python -m tools.bench async [--model runs/demo/tiny-sft-sums --steps 6 --shape demo|long]
+    python -m tools.bench async [--model runs/demo/tiny-sft-count_on --steps 6 --shape demo|long]
 
-Three runs of `examples/tiny/vapo_count_on.yaml` (the demo's recipe: VAPO, 16 prompts x 8
+Runs of `examples/tiny/vapo_count_on.yaml` (the demo's recipe: VAPO, 16 prompts x 8
 samples) with 2 processes each, one after the other:
-- colocated: 2 ranks, TP 2, each rank training and generating in turn (vLLM TP 2);
+- colocated: 2 ranks, TP 2, each rank training and generating in turn (vLLM TP 2): the demo;
+- colocated_dp2: 2 ranks, TP 1, DP 2 (one engine each): no TP traffic, as the apart runs,
+  so the placement alone separates them;
 - disaggregated, synchronous (async.max_staleness=0): rank 0 trains (TP 1), rank 1 generates;
 - one-step-off (async.max_staleness=1): the same ranks, step s's rollout generated while
   step s - 1 trains.
@@ -34,6 +36,7 @@ from tools.bench_common import record
 RECIPE = "examples/tiny/vapo_count_on.yaml"
 MODES = {
     "colocated": [],
+    "colocated_dp2": ["parallel.tensor_model_parallel_size=1"],
     "apart_k0": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
                  "parallel.tensor_model_parallel_size=1", "async.max_staleness=0"],
     "apart_k1": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
@@ -74,11 +77,12 @@ def ideal_ratio_k1(k0: dict[str, float]) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="runs/demo/tiny-sft-sums")
+    p.add_argument("--model", default="runs/demo/tiny-sft-count_on")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--shape", choices=sorted(SHAPES), default="demo")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     p.add_argument("--out", default="bench/results.jsonl")
+    p.add_argument("--note", default="", help="what else ran on these cores, for the record")
     a = p.parse_args(argv)
     if a.steps < 3:
         p.error("--steps must be >= 3 (the first step is warm-up)")
@@ -113,6 +117,7 @@ def main(argv=None) -> None:
         "shape": a.shape,
         "model": str(a.model) if model == Path(a.model) else "fresh tiny random",
         "steps_measured": a.steps - 1,
+        **({"note": a.note} if a.note else {}),
         **{
             mode: {**r, "ratio_to_colocated": round(base / r["step_s"], 3)}
             for mode, r in results.items()

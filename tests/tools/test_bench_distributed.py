@@ -109,7 +109,8 @@ def test_bench_async_times_each_placement_against_colocated(tmp_path):
     from tools.bench_async import main
 
     out = tmp_path / "results.jsonl"
-    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--out", str(out)])
+    modes = "colocated,apart_k0,apart_k1"
+    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--modes", modes, "--out", str(out)])
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
     assert result["model"] == "fresh tiny random" and result["steps_measured"] == 2

@@ -1,14 +1,18 @@
-"""A disaggregated placement end to end (#45, max_staleness 0): `megatron_rl.cli.train` under
-torchrun with the last rank(s) only generating (real vLLM on its own world) and the others
-only training (Megatron), weights pushed over the bridge after every update.
+"""A disaggregated placement end to end (#45): `megatron_rl.cli.train` under torchrun with
+the last rank(s) only generating (real vLLM on its own world) and the others only training
+(Megatron), weights pushed over the bridge after every update; evaluations on the engines.
 
-- 1 trainer + 1 engine rank logs every metric the colocated run on 1 rank logs, equal, and
-  saves equal weights: the same prompts, request seeds and weights make the same samples.
+async.max_staleness 0:
+- 1 trainer + 1 engine rank logs every metric and eval row the colocated run on 1 rank
+  logs, equal, and saves equal weights: the same prompts, request seeds and weights make the
+  same samples.
 - 2 trainers (DP 2) + 2 engine ranks: each engine generates one DP rank's share; every
   metric and weight equal to 2 colocated ranks'.
 - A stop request in the engine's generation (a file, or a signal to the engine rank alone)
   or between the trainer's mini-batches: every rank exits 0, the step's start is saved, and
   the resumed run logs what the uninterrupted one did, with the same final weights.
+async.max_staleness 1 (one-step-off): staleness 0 then 1, the first step the synchronous
+run's; a stop while the engine runs ahead, then a resume to the end.
 """
 
 from __future__ import annotations
