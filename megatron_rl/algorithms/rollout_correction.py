@@ -16,6 +16,17 @@ trainer's recomputed pi_old. The importance weight of a token is
   from the update (their response-mask entries become 0). A sequence holding a token whose
   w_t is below `rollout_token_veto_threshold` is dropped whole (a catastrophic mismatch).
 
+Asynchronous rollouts (`async.max_staleness` 1: `trainer/disaggregated.py`) make the same
+weights cover staleness too: pi_rollout is then the behaviour policy that sampled the tokens,
+up to k updates older, and pi_old, the trainer's forward at the current weights, is the
+*proximal* policy of decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy
+optimization", arXiv 2110.00641; AReaL, Fu et al. 2025, arXiv 2505.24298): PPO's clip on
+pi_theta / pi_old times the weight pi_old / pi_behaviour is its objective, with `rollout_is:
+token` as AReaL's clamped behaviour weight and `rollout_rs: token` as its mask. No extra
+knob: the weights are the same, and since w >= 0 scales both arms of the clipped surrogate,
+"w times A" is "w times the per-token loss" (tested in
+tests/algorithms/test_rollout_correction_unit.py).
+
 Names as verl's `algorithm.rollout_correction` (rollout_is, rollout_is_threshold, rollout_rs,
 rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold). The
 diagnostics (`rollout_corr/*`) are computed every step, correction on or off, from sums a

@@ -115,7 +115,9 @@ def test_sums_add_over_ranks():
 
 def test_weights_times_advantages_equal_weighted_per_token_ppo_losses():
     """The actor applies TIS as w * A; for PPO's clipped surrogate (both signs of A, in and
-    out of the clip range, dual clip on) that equals w times each token's loss."""
+    out of the clip range, dual clip on) that equals w times each token's loss: with
+    asynchronous rollouts, AReaL's decoupled PPO loss (the clipped surrogate against the
+    proximal policy times the behaviour weight)."""
     g = torch.Generator().manual_seed(0)
     logprobs = torch.randn(3, 6, generator=g) * 0.3 - 1
     old = logprobs + torch.randn(3, 6, generator=g) * 0.4
