@@ -75,9 +75,10 @@ class RolloutConfig:
     `model.precision.params_dtype`. A lower precision than the trainer's leaves a log-prob gap
     (`logprob_gap_*`, `rollout_corr/*`) that `algorithm.rollout_correction` can correct."""
     vllm_tensor_parallel_size: int | None = None
-    """vLLM's TP: ranks per rollout engine; None: parallel.tensor_model_parallel_size. An
-    engine's ranks must lie in one model replica, so it divides TP (or TP x PP when DP = 1);
-    a replica's engines split its prompts (`rollout/replica.py`)."""
+    """vLLM's TP: ranks per rollout engine. Colocated, None is
+    parallel.tensor_model_parallel_size, and an engine's ranks must lie in one model replica,
+    so it divides TP (or TP x PP when DP = 1); a replica's engines split its prompts
+    (`rollout/replica.py`). Disaggregated, None is 1 and it divides engine_ranks."""
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_space_gib: int = 1
@@ -89,7 +90,7 @@ class RolloutConfig:
     weights pushed to them after every update (`sync/weight_push.py`)."""
     engine_ranks: int = 0
     """With placement=disaggregated: how many ranks (the last of the world) run the rollout
-    engines, one engine each (vLLM TP 1 for now); 0 with placement=colocated."""
+    engines, vllm_tensor_parallel_size ranks each; 0 with placement=colocated."""
 
     def __post_init__(self) -> None:
         check_at_least(self, rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=1)

@@ -59,8 +59,8 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
 
 
 def check_placement(config: TrainConfig, world_size: int) -> None:
-    """A disaggregated placement (#45): engine ranks that leave trainers, one engine per
-    rank, and only what its first slice runs (docs/design/async.md §6)."""
+    """A disaggregated placement (#45): engine ranks that leave trainers and form whole
+    engines of vllm_tensor_parallel_size ranks (default 1) that split the rollout evenly."""
     r = config.rollout
     if r.placement != "disaggregated":
         if config.async_.max_staleness:
@@ -75,16 +75,23 @@ def check_placement(config: TrainConfig, world_size: int) -> None:
             f"rollout.engine_ranks={r.engine_ranks} leaves no training rank in the launch's "
             f"world of {world_size} (nproc_per_node x nodes)"
         )
-    if (r.vllm_tensor_parallel_size or 1) != 1:
+    tp = r.vllm_tensor_parallel_size or 1  # apart, the default is one engine per rank
+    if r.engine_ranks % tp:
         raise ConfigError(
-            f"rollout.vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} with "
-            "rollout.placement=disaggregated: engine ranks run one engine each (vLLM TP 1) so "
-            "far; leave it unset or 1"
+            f"rollout.engine_ranks={r.engine_ranks} is not divisible by "
+            f"rollout.vllm_tensor_parallel_size={tp} (each engine is that many engine ranks)"
         )
-    if r.rollout_batch_size % r.engine_ranks:
+    arch = ModelSource(config.model.path).architecture()
+    if arch.num_attention_heads % tp:
         raise ConfigError(
-            f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by "
-            f"rollout.engine_ranks={r.engine_ranks} (each engine generates an equal share)"
+            f"rollout.vllm_tensor_parallel_size={tp} does not divide the model's "
+            f"num_attention_heads={arch.num_attention_heads}"
+        )
+    if r.rollout_batch_size % (r.engine_ranks // tp):
+        raise ConfigError(
+            f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by the "
+            f"{r.engine_ranks // tp} engine(s) (rollout.engine_ranks={r.engine_ranks} / "
+            f"vllm_tensor_parallel_size={tp}): each engine generates an equal share"
         )
     for i, fn in enumerate(config.rewards.reward_fns):
         if fn.collective:

@@ -179,8 +179,12 @@ class EngineRanks:
     same point (the trainers' default group carries the results from trainer rank 0, the
     only one talking to the engines)."""
 
-    def __init__(self, placement: Placement, store, ctx, max_staleness: int = 0):
+    def __init__(
+        self, placement: Placement, store, ctx, max_staleness: int = 0, engine_tp: int = 1
+    ):
         self.placement, self.ctx, self.max_staleness = placement, ctx, max_staleness
+        self.engine_tp = engine_tp
+        """Engine ranks per replica (vLLM TP); replica e answers from engine rank e x tp."""
         self.stream, self.bridge = cross_role_groups(placement, store, ctx.rank)
         # which DP rank each trainer rank is, for dealing the groups
         dp_ranks = [None] * ctx.world_size
@@ -200,7 +204,10 @@ class EngineRanks:
 
     @property
     def replicas(self) -> int:
-        return self.placement.engine_ranks
+        return self.placement.engine_ranks // self.engine_tp
+
+    def _recv(self, replica: int):
+        return recv_object(self.stream, src=1 + replica * self.engine_tp)
 
     def _share(self, results: list[Rated] | None):
         """Rank 0's answers dealt: (this rank's DP share of the groups, rollout metrics,
@@ -223,7 +230,7 @@ class EngineRanks:
         if self.is_source:
             self._drain()
             broadcast_object(self.stream, Generate(stage, step, data), root=0)
-            results = [recv_object(self.stream, src=1 + e) for e in range(self.replicas)]
+            results = [self._recv(e) for e in range(self.replicas)]
         return self._share(results)
 
     def round(self, step: int, end: int, data: dict):
@@ -248,7 +255,7 @@ class EngineRanks:
         return self._share(results)
 
     def _receive(self, replica: int) -> None:
-        answer = recv_object(self.stream, src=1 + replica)
+        answer = self._recv(replica)
         self.rounds.answered(replica, answer.aborted is not None)
         self.pending.setdefault(answer.round, []).append(answer)
 
@@ -277,7 +284,7 @@ class EngineRanks:
         return shared[0]
 
     def _eval_sums(self) -> list[torch.Tensor]:
-        answers = [recv_object(self.stream, src=1 + e) for e in range(self.replicas)]
+        answers = [self._recv(e) for e in range(self.replicas)]
         return [sum(sets) for sets in zip(*answers, strict=True)]
 
     def push(self, actor, version: int, evaluate_step: int | None = None):

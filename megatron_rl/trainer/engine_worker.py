@@ -1,9 +1,14 @@
 """An engine rank of a disaggregated placement (#45; docs/design/async.md §3): it only
-generates and scores. It holds the rollout engine (one per rank, vLLM TP 1), the tokenizer,
-the prompts and the reward pool; no Megatron, no checkpoint. It answers the trainer rank 0's
-commands (`trainer/disaggregated.py`) until told to shut down."""
+generates and scores. It holds its part of a rollout engine (vLLM TP t: t consecutive engine
+ranks form one engine, a *replica*), the tokenizer, the prompts and, on a replica's first
+rank, the reward pool; no Megatron, no checkpoint. Every rank of a replica carries out trainer
+rank 0's commands (`trainer/disaggregated.py`) in step, as vLLM's TP needs; the first answers
+for the replica. Until told to shut down."""
 
 from __future__ import annotations
+
+import torch
+import torch.distributed as dist
 
 from megatron_rl.config import TrainConfig
 from megatron_rl.data import PromptStream, load_prompts
@@ -39,16 +44,27 @@ class EngineWorker:
 
         c, t = config, config.trainer
         self.config, self.rank = config, rank
-        self.replica = placement.role_rank(rank)
-        self.replicas = placement.engine_ranks
+        tp = c.rollout.vllm_tensor_parallel_size or 1
+        engine_rank = placement.role_rank(rank)
+        self.replica, self.replicas = engine_rank // tp, placement.engine_ranks // tp
+        self.leader = engine_rank % tp == 0
+        """The replica's first rank: it scores, and answers trainer rank 0."""
+        # every engine rank makes every replica's group, in order (a collective of the
+        # engines' world); gloo: flags and scores are host objects
+        self.replica_group = None
+        for first in range(0, placement.engine_ranks, tp):
+            group = dist.new_group(list(range(first, first + tp)), backend="gloo")
+            if first <= engine_rank < first + tp:
+                self.replica_group, self.replica_leader = group, first
         source = ModelSource(c.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
         # Before the engine: a reward that cannot be imported or built fails in seconds.
-        self.pool = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool)
+        inner = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool) if self.leader else None
+        self.pool = ReplicaScoring(inner, self.replica_group, self.replica_leader)
         self.shm = ShmRecord(t.output_dir, rank)
         self.shm.remove_stale()
-        self.engine = build_engine(c, source, tensor_parallel_size=1, external_launcher=True)
+        self.engine = build_engine(c, source, tensor_parallel_size=tp, external_launcher=True)
         self.shm.write()
         self.evaluator = build_evaluator(
             c, self.engine, self.pool, self.tokenizer, self.replica, self.replicas, "cpu"
@@ -71,14 +87,14 @@ class EngineWorker:
         if isinstance(command, Weights):
             self.load_weights()
             if command.evaluate_step is not None:
-                send_object(self.stream, self.evaluator.local_sums(command.evaluate_step), dst=0)
+                self.answer(self.evaluator.local_sums(command.evaluate_step))
         elif isinstance(command, Generate):
             self.prompts.load_state_dict(command.data)
-            send_object(self.stream, self.generate(command.stage, command.step), dst=0)
+            self.answer(self.generate(command.stage, command.step))
         elif isinstance(command, Rounds):
             return self.rounds(command)
         elif isinstance(command, Evaluate):
-            send_object(self.stream, self.evaluator.local_sums(command.step), dst=0)
+            self.answer(self.evaluator.local_sums(command.step))
         else:
             raise TypeError(f"engine rank: unknown command {command!r}")
         return True
@@ -94,10 +110,23 @@ class EngineWorker:
                 if not self.obey():
                     return False
             answer = self.generate("train", step)
-            send_object(self.stream, answer, dst=0)
+            self.answer(answer)
             if answer.aborted:
                 break
         return True
+
+    def answer(self, obj) -> None:
+        """To trainer rank 0, from the replica's first rank (the others made the same)."""
+        if self.leader:
+            send_object(self.stream, obj, dst=0)
+
+    def stop_requested(self) -> bool:
+        """A stop request on any rank of this replica (its ranks run one vLLM engine in
+        step, so they must all stop at the same check)."""
+        flag = torch.tensor([int(STOP.requested)], device="cpu")
+        if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return bool(flag.item())
 
     def load_weights(self) -> None:
         version, pairs = receive_weights(self.bridge, root=0)
@@ -109,7 +138,7 @@ class EngineWorker:
         stop request (this rank's own, or one published in the job's store) aborts it,
         answered with no groups."""
 
-        def stop() -> bool:
+        def stop() -> bool:  # inside one engine call: the engine agrees over its TP group
             return STOP.requested
 
         start = self.prompts.state_dict()
@@ -117,7 +146,7 @@ class EngineWorker:
         try:
             rollout = generate_round(
                 self.config, stage, step, shard, self.engine, self.pool,
-                self.tokenizer, should_stop=stop, stop_generation=stop,
+                self.tokenizer, should_stop=self.stop_requested, stop_generation=stop,
             )  # fmt: skip
         except StepAborted as e:
             return Rated(self.replica, [], {}, start, e.phase, step, self.version)
@@ -130,3 +159,26 @@ class EngineWorker:
         self.pool.close()
         self.engine.shutdown()
         self.shm.clean_up()
+
+
+class ReplicaScoring:
+    """The reward pool of a replica: its first rank scores (inline or with its Ray pool),
+    the others get the same scores over the replica's group, so a reward that is not
+    deterministic (a sampling judge, a remote model) cannot split the replica's decisions
+    (dynamic filtering) and a remote service is called once per sample."""
+
+    def __init__(self, inner, group, leader: int):
+        self.inner, self.group, self.leader = inner, group, leader
+
+    def submit(self, batch):
+        return self.inner.submit(batch) if self.inner is not None else None
+
+    def result(self, handle):
+        scores = [self.inner.result(handle) if self.inner is not None else None]
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.broadcast_object_list(scores, src=self.leader, group=self.group)
+        return scores[0]
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()

@@ -194,7 +194,10 @@ class RLTrainer:
         self.pushed_eval = None
         """With engine ranks: the eval sums they made right after the last push."""
         if roles:  # the engines are other ranks (`trainer/engine_worker.py`)
-            self.engine_ranks = EngineRanks(roles[0], roles[1], self.ctx, c.async_.max_staleness)
+            self.engine_ranks = EngineRanks(
+                roles[0], roles[1], self.ctx, c.async_.max_staleness,
+                c.rollout.vllm_tensor_parallel_size or 1,
+            )  # fmt: skip
         else:
             engines = rollout_layout(c, self.ctx.world_size)
             # The engine sizes its KV cache from the device memory free now: what the config

@@ -191,14 +191,21 @@ def test_a_disaggregated_placement_is_checked_against_the_launch(tiny_model_dir)
     dis = ("rollout.placement=disaggregated", "parallel.tensor_model_parallel_size=2")
     validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=1"), world_size=3)
     validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=2"), world_size=4)
+    validate_config(  # one engine of vLLM TP 2
+        config_for(tiny_model_dir, *dis, "rollout.engine_ranks=2",
+                   "rollout.vllm_tensor_parallel_size=2"),
+        world_size=4,
+    )  # fmt: skip
     refused = [
         (("rollout.engine_ranks=3",), 3, r"engine_ranks=3 leaves no training rank .* world of 3"),
         # the trainers' world of 1 cannot hold TP 2
         (("rollout.engine_ranks=1",), 2, "config section parallel: .*world size 1"),
-        (("rollout.engine_ranks=1", "rollout.vllm_tensor_parallel_size=2"), 3,
-         "vllm_tensor_parallel_size=2 with rollout.placement=disaggregated"),
+        (("rollout.engine_ranks=3", "rollout.vllm_tensor_parallel_size=2"), 5,
+         "engine_ranks=3 is not divisible by rollout.vllm_tensor_parallel_size=2"),
+        (("rollout.engine_ranks=3", "rollout.vllm_tensor_parallel_size=3"), 5,
+         "vllm_tensor_parallel_size=3 does not divide the model's num_attention_heads=4"),
         (("rollout.engine_ranks=3", "rollout.rollout_batch_size=16"), 5,
-         "rollout_batch_size=16 is not divisible by rollout.engine_ranks=3"),
+         r"rollout_batch_size=16 is not divisible by the 3 engine\(s\)"),
         (("rollout.engine_ranks=1",
           f"rewards.reward_fns=[{{type: reward_model, backend: megatron, model_dir: {tiny_model_dir}}}]"),
          3, r"rewards.reward_fns\[0\] runs on Megatron's model-parallel group"),

@@ -214,3 +214,44 @@ def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
     assert staleness(run) == [0, 0, 1]
     got, want = rows(run), rows(one_step_off)
     assert got[:3] == want[:3] and len(got) == len(want)
+
+
+def test_two_engine_ranks_form_one_tensor_parallel_engine(tiny_model_dir, eval_prompts, tmp_path):
+    """3 ranks: a trainer and one vLLM engine of TP 2 over the two engine ranks (they draw,
+    generate and score in step; the first answers). vLLM at TP 2 sums in another order than
+    at TP 1, so a near-tie token can differ from 1 + 1's samples: the check is the rollout's
+    shape, its log-probs against the trainer's, and that the run trains and evaluates."""
+    run = tmp_path / "tp2"
+    train("ppo", run, *ppo_overrides(tiny_model_dir, eval_prompts), "trainer.total_steps=2",
+          "rollout.placement=disaggregated", "rollout.engine_ranks=2",
+          "rollout.vllm_tensor_parallel_size=2", nproc=3, timeout=600)  # fmt: skip
+    steps = metrics(run)
+    assert staleness(run) == [0, 0] and all(r["rollout/num_samples"] == 8 for r in steps)
+    assert all(r["rollout/logprob_gap/max"] < 1e-4 for r in steps)
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompts"]) for r in evals] == [(0, 12), (0, 12), (2, 12), (2, 12)]
+
+
+def test_a_stop_reaches_both_ranks_of_a_tensor_parallel_engine(
+    tiny_model_dir, eval_prompts, tmp_path
+):
+    """The stop file appears while the TP 2 engine generates step 2: both of its ranks abort
+    at the same engine step (they agree over vLLM's TP group, and between chunks over the
+    replica's), the first answers, every rank exits 0; the resume trains to the end."""
+    run = tmp_path / "run"
+    overrides = [
+        *ppo_overrides(tiny_model_dir, eval_prompts), "rollout.placement=disaggregated",
+        "rollout.engine_ranks=2", "rollout.vllm_tensor_parallel_size=2",
+    ]  # fmt: skip
+    stop = tmp_path / "stop"
+    first = run_torchrun(
+        "tests.torchrun.stop_in_phase",
+        ["--stop-at", "train:2:rollout/generate", "--config", "examples/tiny/ppo.yaml",
+         f"trainer.output_dir={run}", *overrides],
+        env={STOP_FILE_ENV: str(stop)}, nproc=3, timeout=400,
+    ).output  # fmt: skip
+    assert "train step 2 aborted in rollout/generate" in first, first[-4000:]
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    stop.unlink()
+    train("ppo", run, *overrides, nproc=3, timeout=600)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3] and staleness(run) == [0, 0, 0]

@@ -51,6 +51,7 @@ class Engine(EngineWorker):
     def __init__(self, replica: int, replicas: int, abort_round: int | None):
         self.replica, self.replicas, self.version = replica, replicas, 0
         self.stream = self.bridge = None  # the channels below stand in for both groups
+        self.leader, self.replica_group = True, None  # one rank per replica here
         self.to_engine, self.to_trainer = Channel(), Channel()
         self.abort_round = abort_round
         self.generated: list[tuple[int, int]] = []  # (round, version)
@@ -108,6 +109,7 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     ranks.placement = SimpleNamespace(engine_ranks=replicas)
     ranks.ctx = SimpleNamespace(dp_rank=0, dp_size=1, rank=0, world_size=1)
     ranks.max_staleness, ranks.dp_ranks, ranks.bucket_bytes = max_staleness, [0], 1
+    ranks.engine_tp = 1
     ranks.stream = ranks.bridge = object()
     ranks.version, ranks.rounds, ranks.pending = start, None, {}
     for engine in engines:
