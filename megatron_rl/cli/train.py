@@ -72,8 +72,10 @@ def main(argv=None) -> None:
         return
     try:
         trainer.fit()  # a stop request ends it early, saved: exit 0 either way
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
 
 
 if __name__ == "__main__":

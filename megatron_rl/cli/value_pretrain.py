@@ -25,8 +25,10 @@ def main(argv=None) -> None:
             print("value pretraining already done in this output_dir", flush=True)
         else:
             trainer.fit_value_pretraining()  # a stop request ends it early, saved: exit 0
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
 
 
 if __name__ == "__main__":

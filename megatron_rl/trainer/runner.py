@@ -756,11 +756,15 @@ class RLTrainer:
                 flush=True,
             )
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: an exception is on its way out; the engine ranks are then not told to
+        shut down (mid-exchange, the protocol's state is unknown and a wait could hang): the
+        launcher ends them when this rank exits with the error."""
         self.logger.close()
         self.pool.close()
         if self.engine_ranks is not None:
-            self.engine_ranks.shutdown()
+            if not failed:
+                self.engine_ranks.shutdown()
         else:
             self.engine.shutdown()  # its process groups first, then ours
         self.shm.clean_up()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.launch import run_torchrun
+from megatron_rl.launch import TorchrunError, run_torchrun
 from megatron_rl.preemption import STOP_FILE_ENV
 from tests.checkpoints import same_weights
 from tests.trainer.runs import VARIED_REWARD, checkpoint, metrics, train
@@ -255,3 +255,14 @@ def test_a_stop_reaches_both_ranks_of_a_tensor_parallel_engine(
     stop.unlink()
     train("ppo", run, *overrides, nproc=3, timeout=600)
     assert [r["step"] for r in metrics(run)] == [1, 2, 3] and staleness(run) == [0, 0, 0]
+
+
+def test_an_engine_rank_that_fails_ends_the_job_with_its_error(tiny_model_dir, tmp_path):
+    """A reward that fails on half the samples stops the run on the engine rank that scores
+    them (`rollout.rating.max_failure_ratio`): the job ends with that error, no rank waits
+    on the other for its timeout."""
+    with pytest.raises(TorchrunError) as failed:
+        train("ppo", tmp_path / "run", f"model.path={tiny_model_dir}",
+              'rewards.reward_fns=[{type: python, path: "tests.reward_fns:fails_on_odd"}]',
+              "trainer.total_steps=1", *DISAGGREGATED, timeout=300)  # fmt: skip
+    assert "RewardFailureError" in str(failed.value) and "timed out" not in str(failed.value)
