@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,62 @@ def kill_tree(proc: subprocess.Popen, grace: float = 5.0) -> None:
         pass
 
 
+RANKS_AS_NODES_ENV = "MEGATRON_RL_RANKS_AS_NODES"
+"""Set to 1: `run_torchrun` starts each rank as a one-process torchrun node of its own, so
+that ranks can share one GPU under NCCL (`rank_node_commands`)."""
+
+
+def rank_node_commands(nproc: int, port: int, job: Sequence[str]) -> list[tuple[list[str], dict]]:
+    """(argv, extra environment) of `nproc` one-process torchrun nodes on this host, one per
+    rank, `job` (`-m module args` or `script args`) in each: every rank has LOCAL_RANK 0.
+
+    Why: NCCL refuses two ranks of one host on one device ("Duplicate GPU detected"); with a
+    `NCCL_HOSTID` of its own each rank is a host apart to NCCL, joined to the others through
+    the socket transport on loopback (slow, but every collective is NCCL's own kernel; seen
+    working on an H100, bench/gpu.md). Without CUDA the NCCL variables are unread."""
+    return [
+        (
+            [
+                sys.executable, "-m", "torch.distributed.run", f"--nnodes={nproc}",
+                f"--node-rank={i}", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+                f"--master-port={port}", *job,
+            ],
+            {"NCCL_HOSTID": f"megatron_rl-node-{i}", "NCCL_P2P_DISABLE": "1",
+             "NCCL_SHM_DISABLE": "1"},
+        )
+        for i in range(nproc)
+    ]  # fmt: skip
+
+
+def run_nodes(
+    nodes: list[tuple[list[str], dict]], env: dict, timeout: float, stdout=None, cwd=None
+) -> int | None:
+    """Start every node, wait for all: the first non-zero exit code (the others ended), 0,
+    or None when `timeout` seconds passed (all ended). Output to `stdout` (a file)."""
+    procs = [
+        subprocess.Popen(
+            argv, env={**env, **extra}, stdout=stdout, stderr=subprocess.STDOUT, cwd=cwd,
+            start_new_session=True,
+        )
+        for argv, extra in nodes
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                return failed or 0
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+                p.wait()
+
+
 def run_torchrun(
     target: str,
     args: Sequence[str] = (),
@@ -97,6 +154,7 @@ def run_torchrun(
 
     Raises TorchrunError when the job exits non-zero or outlives `timeout` seconds.
     """
+    job = [*(["-m", target] if module else [target]), *args]
     cmd = [
         sys.executable,
         "-m",
@@ -105,9 +163,8 @@ def run_torchrun(
         "--nnodes=1",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
+        *job,
     ]
-    cmd += ["-m", target] if module else [target]
-    cmd += list(args)
     full_env = {
         **os.environ,
         # One intra-op thread per rank unless told otherwise: more ranks than cores thrash
@@ -116,6 +173,8 @@ def run_torchrun(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
+    if os.environ.get(RANKS_AS_NODES_ENV) == "1":
+        return _run_torchrun_as_nodes(target, job, nproc, timeout, full_env, cwd, echo)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -141,6 +200,26 @@ def run_torchrun(
             f"torchrun {target} exited with {proc.returncode}; output:\n" + _tail(output)
         )
     return TorchrunResult(proc.returncode, output)
+
+
+def _run_torchrun_as_nodes(target, job, nproc, timeout, env, cwd, echo) -> TorchrunResult:
+    """`run_torchrun` with each rank a node of its own (RANKS_AS_NODES_ENV)."""
+    with tempfile.TemporaryFile("w+") as out:
+        code = run_nodes(rank_node_commands(nproc, free_port(), job), env, timeout, out, cwd)
+        out.seek(0)
+        output = out.read()
+    if echo:
+        print(output, end="")
+    if code is None:
+        raise TorchrunError(
+            f"torchrun {target} (a node per rank) timed out after {timeout:.0f}s and was "
+            "killed; output:\n" + _tail(output)
+        )
+    if code != 0:
+        raise TorchrunError(
+            f"torchrun {target} (a node per rank) exited with {code}; output:\n" + _tail(output)
+        )
+    return TorchrunResult(code, output)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from megatron_rl.launch import (
+    RANKS_AS_NODES_ENV,
     SHUTDOWN_TIMEOUT_S,
     TorchrunError,
     free_port,
@@ -31,6 +32,30 @@ def test_failing_rank_traceback_is_reported():
 
 def test_hung_job_is_killed_at_the_timeout():
     with pytest.raises(TorchrunError, match="timed out after 15s"):
+        run_torchrun("tests.torchrun.misbehave", ["--mode", "hang"], timeout=15)
+    leftover = subprocess.run(
+        ["pgrep", "-f", "tests.torchrun.misbehave --mode hang"], capture_output=True, text=True
+    )
+    assert leftover.stdout.strip() == "", "a worker outlived the timeout"
+
+
+def test_a_node_per_rank_gives_every_rank_local_rank_0_and_a_nccl_host_of_its_own(monkeypatch):
+    """MEGATRON_RL_RANKS_AS_NODES=1 (how two ranks share one GPU under NCCL): one job of
+    world 2 all the same, every rank LOCAL_RANK 0 (cuda:0), a NCCL_HOSTID each."""
+    monkeypatch.setenv(RANKS_AS_NODES_ENV, "1")
+    out = run_torchrun("tests.torchrun.misbehave", ["--mode", "whoami"], timeout=120).output
+    pattern = r"whoami rank=(\d) local_rank=(\d) world=(\d) hostid=(megatron_rl-node-\d|None)"
+    seen = sorted(re.findall(pattern, out))
+    assert [(r, lr, w) for r, lr, w, _ in seen] == [("0", "0", "2"), ("1", "0", "2")], out
+    assert len({h for *_, h in seen}) == 2 and "None" not in {h for *_, h in seen}
+
+
+def test_a_node_per_rank_reports_the_failing_rank_and_kills_a_hung_job(monkeypatch):
+    monkeypatch.setenv(RANKS_AS_NODES_ENV, "1")
+    with pytest.raises(TorchrunError, match="a node per rank") as e:
+        run_torchrun("tests.torchrun.misbehave", ["--mode", "fail-rank-1"], timeout=120)
+    assert "deliberate failure on rank 1" in str(e.value)
+    with pytest.raises(TorchrunError, match=r"\(a node per rank\) timed out after 15s"):
         run_torchrun("tests.torchrun.misbehave", ["--mode", "hang"], timeout=15)
     leftover = subprocess.run(
         ["pgrep", "-f", "tests.torchrun.misbehave --mode hang"], capture_output=True, text=True

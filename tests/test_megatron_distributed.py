@@ -1,4 +1,5 @@
-"""Distributed tier: Megatron GPTModel on CPU/gloo with torchrun, 2 processes.
+"""Distributed tier: Megatron GPTModel under torchrun, 2 processes (gloo on CPU, NCCL on GPU;
+the results are compared on the host).
 
 Each test runs one torchrun job that compares layouts inside the job; the assertions live
 here so a failure reads as a comparison, not a worker crash.
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.distributed
 def tp_result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "result.pt"
     run_torchrun("tests.torchrun.tp_logits", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
-    return torch.load(out)
+    return torch.load(out, map_location="cpu")
 
 
 def test_tp2_logits_equal_tp1(tp_result):
@@ -47,7 +48,7 @@ def test_tp2_backward_reaches_every_parameter(tp_result):
 def pp_ranks(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp")
     run_torchrun("tests.torchrun.pp_loss", ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out)])
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", map_location="cpu") for r in range(2)]
 
 
 @pytest.mark.parametrize("phase", ["pp2", "vpp2"])

@@ -22,7 +22,14 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       generate (`rollout.name=hf`, no vLLM); its metrics.jsonl and
                       memory_timeline.jsonl go into the report
 - nccl_two_ranks_one_gpu: can two ranks share one GPU under NCCL (tools/gpu_nccl_probe.py)
+- disaggregated_nccl:  the same two PPO steps with `rollout.placement=disaggregated`: one
+                      trainer rank and one engine rank (HF generate) on the one GPU, as two
+                      one-process torchrun nodes with a NCCL_HOSTID each
+                      (tools/gpu_two_nodes.py), one-step-off (async.max_staleness=1), 3
+                      steps: the bridge's NCCL broadcasts of the weights
 - worker_tp_pp:       the worker-level TP=2 / PP=2 torchrun tests; needs 2 GPUs (why: below)
+- worker_tp_pp_one_gpu: the same tests on one GPU, each rank a torchrun node of its own
+                      (MEGATRON_RL_RANKS_AS_NODES=1: megatron_rl.launch.run_torchrun)
 - weight_sync:        `tools.bench weight_sync` (Megatron -> vLLM GB/s), needs vLLM
 - logprob_gap_bf16:   `tools.logprob_diff` with a bf16 vLLM rollout, needs vLLM
 - sleep_wake:         two GRPO steps with vLLM asleep while Megatron trains (its
@@ -46,6 +53,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_rl.launch import RANKS_AS_NODES_ENV, kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_TIMEOUT_S = 540
@@ -77,6 +86,8 @@ class Part:
     """Needs the tiny HF checkpoint made at WORK/tiny before it runs."""
     gpus_reason: str = ""
     """Why it needs that many devices (said when it is skipped for fewer)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment of its subprocess."""
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
@@ -91,7 +102,7 @@ def parts(work: Path) -> list[Part]:
     shape = ("--preset", "qwen2.5-0.5b")
     train_step = ("tools.bench", "train_step", "--dtype", "bf16", *shape, "--seq-length", "2048")
 
-    def trainer(run: str, recipe: str, *overrides: str) -> tuple[str, ...]:
+    def trainer(run: str, recipe: str, *overrides: str, steps: int = 2) -> tuple[str, ...]:
         # each trainer part its own output dir: a second would resume from the first's save
         return (
             "megatron_rl.launch",
@@ -102,7 +113,7 @@ def parts(work: Path) -> list[Part]:
             recipe,
             f"model.path={tiny}",
             f"trainer.output_dir={work / run}",
-            "trainer.total_steps=2",
+            f"trainer.total_steps={steps}",
             "model.precision.params_dtype=bfloat16",
             *overrides,
         )
@@ -124,10 +135,26 @@ def parts(work: Path) -> list[Part]:
         ),
         Part("nccl_two_ranks_one_gpu", ("tools.gpu_nccl_probe",), timeout_s=240),
         Part(
+            "disaggregated_nccl",
+            # trainer()'s launcher prefix swapped for a node per rank
+            ("tools.gpu_two_nodes", "--timeout-s", "330", "-m", "megatron_rl.cli.train",
+             *trainer("run_apart", "examples/tiny/ppo.yaml", "rollout.name=hf",
+                      "rollout.placement=disaggregated", "rollout.engine_ranks=1",
+                      "async.max_staleness=1", steps=3)[4:]),
+            needs=(*MEGATRON, "transformers", "datasets"),
+            artifacts=timeline("run_apart"), tiny_model=True, timeout_s=360,
+        ),
+        Part(
             "worker_tp_pp",
             ("pytest", "-q", "tests/test_megatron_distributed.py",
              "tests/workers/test_workers_distributed.py"),
             needs=("pytest", *MEGATRON), gpus=2, gpus_reason=TWO_RANKS_ONE_GPU,
+        ),
+        Part(
+            "worker_tp_pp_one_gpu",
+            ("pytest", "-q", "tests/test_megatron_distributed.py",
+             "tests/workers/test_workers_distributed.py"),
+            needs=("pytest", *MEGATRON), env=((RANKS_AS_NODES_ENV, "1"),),
         ),
         Part("weight_sync", ("tools.bench", "weight_sync", *shape, *results),
              needs=MEGATRON + VLLM),
@@ -188,10 +215,8 @@ def json_lines(text: str) -> list:
 
 def run_part(part: Part, work: Path, log: Path) -> dict:
     """Run one part with its time limit, its output streamed to `log`; its report record."""
-    from megatron_rl.launch import kill_tree
-
     record: dict = {"command": "python -m " + " ".join(part.argv), "log": str(log)}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(part.env)}
     start = time.perf_counter()
     with log.open("w") as out:
         out.write(f"$ {record['command']}\n")

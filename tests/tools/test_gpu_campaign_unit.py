@@ -22,8 +22,8 @@ SLEEP = ("timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)")
 
 
 def modules_run(argv: tuple[str, ...]) -> list[str]:
-    """`python -m argv[0]`, and the launcher's `-m` target (pytest's `-m` is a marker)."""
-    if argv[0] != "megatron_rl.launch":
+    """`python -m argv[0]`, and the launchers' `-m` target (pytest's `-m` is a marker)."""
+    if argv[0] not in ("megatron_rl.launch", "tools.gpu_two_nodes"):
         return [argv[0]]
     return [argv[0], argv[argv.index("-m") + 1]]
 
@@ -55,6 +55,33 @@ def test_the_trainer_part_runs_two_hf_rollout_steps_in_bf16_and_keeps_its_timeli
         assert override in part.argv
     assert "model.precision.params_dtype=bfloat16" in part.argv and "vllm" not in part.needs
     assert part.artifacts == ("run_hf/metrics.jsonl", "run_hf/memory_timeline.jsonl")
+
+
+def test_the_disaggregated_part_runs_a_trainer_and_an_engine_rank_as_two_nodes():
+    part = next(p for p in gpu_campaign.parts(Path("/w")) if p.name == "disaggregated_nccl")
+    assert modules_run(part.argv) == ["tools.gpu_two_nodes", "megatron_rl.cli.train"]
+    assert part.argv[part.argv.index("-m") + 2] == "--config"
+    for override in (
+        "rollout.placement=disaggregated",
+        "rollout.engine_ranks=1",
+        "async.max_staleness=1",
+        "trainer.total_steps=3",
+        "rollout.name=hf",
+    ):
+        assert override in part.argv  # fmt: skip
+    assert part.artifacts == ("run_apart/metrics.jsonl", "run_apart/memory_timeline.jsonl")
+
+
+def test_the_one_gpu_worker_part_starts_a_node_per_rank(tmp_path):
+    part = next(p for p in gpu_campaign.parts(Path("/w")) if p.name == "worker_tp_pp_one_gpu")
+    two = next(p for p in gpu_campaign.parts(Path("/w")) if p.name == "worker_tp_pp")
+    assert part.argv == two.argv and part.gpus == 1 < two.gpus
+    assert dict(part.env) == {"MEGATRON_RL_RANKS_AS_NODES": "1"}
+    # the part's environment reaches its subprocess
+    probe = Part("probe", ("timeit", "-n", "1", "-r", "1", "import os; print(os.environ['X'])"),
+                 env=(("X", "seen"),))  # fmt: skip
+    record = gpu_campaign.run_part(probe, tmp_path, tmp_path / "probe.log")
+    assert record["status"] == "passed", record["output_tail"]
 
 
 def test_list_prints_name_limit_needs_and_command(capsys):
@@ -216,3 +243,14 @@ def test_the_report_is_written_atomically_and_a_bad_one_is_refused(tmp_path):
 def test_the_nccl_probe_says_it_needs_cuda(capsys):
     assert gpu_nccl_probe.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_two_nodes_runs_a_job_a_node_per_rank_and_refuses_a_missing_job():
+    """Its exit code is the job's (what each rank sees: tests/test_launch_distributed.py)."""
+    from tools import gpu_two_nodes
+
+    job = ["-m", "tests.torchrun.misbehave", "--mode"]
+    assert gpu_two_nodes.main(["--timeout-s", "120", *job, "whoami"]) == 0
+    assert gpu_two_nodes.main(["--timeout-s", "120", *job, "fail-rank-1"]) == 1
+    with pytest.raises(SystemExit):
+        gpu_two_nodes.main(["--nodes", "2"])

@@ -86,7 +86,8 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
     result = {"rows": (rows.start, rows.stop), "grads": {}, "metrics": {}}
     if name.endswith("-bal"):  # rank 0 starts with the longest rows, rank 1 the shortest
         by_length = torch.argsort(batch.sequence_lengths(), descending=True, stable=True)
-        local = batch.rows(by_length[rows])
+        # on the device, as the trainer's batches are (rated_to_batch): NCCL takes no CPU tensor
+        local = batch.rows(by_length[rows]).to(distributed.device())
         local, result["balance"] = balance_over_data_parallel(local)
         result["input_ids"] = local.input_ids
 

@@ -12,7 +12,7 @@ def fixed_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 7) 
 
 
 def position_ids(tokens: torch.Tensor) -> torch.Tensor:
-    return torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
 
 
 def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -52,6 +52,7 @@ def run(layout, arch, hf_dir, batch):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     distributed.initialize(layout, arch=arch)
+    batch = batch.to(distributed.device())
     chunks = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron(chunks, hf_dir, arch)
     # Every chunk's forward step draws from its own iterator over the same micro-batches.

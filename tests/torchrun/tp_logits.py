@@ -19,6 +19,7 @@ from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
 
 def logits_under(layout, arch, hf_dir, tokens, backward):
     ctx = distributed.initialize(layout, arch=arch)
+    tokens = tokens.to(distributed.device())
     (model,) = build_gpt_model_chunks(arch, layout)
     load_hf_into_megatron([model], hf_dir, arch)
     logits = gather_vocab(model(tokens, position_ids(tokens), None), arch.vocab_size)
@@ -29,7 +30,7 @@ def logits_under(layout, arch, hf_dir, tokens, backward):
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    return ctx, logits.detach(), grads
+    return ctx, logits.detach().cpu(), grads  # compared on the host (HF runs there)
 
 
 @record

@@ -34,7 +34,7 @@ def merge(out_dir, name):
     merged = {"grads": {}, "critic_grads": {}, "metrics": {}}
     logprobs, values = {}, {}
     for f in sorted(out_dir.glob(f"{name}.rank*.pt")):
-        r = torch.load(f)
+        r = torch.load(f, map_location="cpu")
         for loss, grads in r["grads"].items():
             merged["grads"].setdefault(loss, {}).update(grads)
         merged["critic_grads"].update(r["critic_grads"])
@@ -55,7 +55,9 @@ def results(tiny_model_dir, tmp_path_factory):
     two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,vpp2-tok,dp2-bal"
     run_torchrun("tests.torchrun.actor_critic", [*args, two], nproc=2)
     merged = {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS, "dp2-bal"]}
-    merged["dp2-bal"]["ranks"] = [torch.load(f) for f in sorted(out.glob("dp2-bal.rank*.pt"))]
+    merged["dp2-bal"]["ranks"] = [
+        torch.load(f, map_location="cpu") for f in sorted(out.glob("dp2-bal.rank*.pt"))
+    ]
     return merged
 
 
@@ -147,7 +149,7 @@ def test_logprobs_equal_hugging_face(results, tiny_model_dir):
 def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_model_dir, tmp_path):
     out = tmp_path / "step.pt"
     run_torchrun("tests.torchrun.actor_step", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
-    s = torch.load(out)
+    s = torch.load(out, map_location="cpu")
     assert s["initial_logprob_gap"] == 0.0  # actor and reference start from the same weights
     assert s["actor_params"] == s["critic_params"] == 51
     assert s["actor_unchanged"] == [] and s["critic_unchanged"] == []
@@ -207,7 +209,7 @@ def test_a_rewind_undoes_the_updates_since_the_snapshot_bit_for_bit(tiny_model_d
     run_torchrun(
         "tests.torchrun.update_rewind", ["--hf-dir", str(tiny_model_dir), "--out", str(out)]
     )
-    s = torch.load(out)
+    s = torch.load(out, map_location="cpu")
     assert s["start_has_no_adam_state"] and s["after_two_has_adam_state"]
     assert s["weights_moved"] and s["lr_moved"]  # the rewinds below had something to undo
     assert s["rewound_unstepped"] and s["rewound_stepped"]
