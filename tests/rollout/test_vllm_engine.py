@@ -124,3 +124,104 @@ def test_a_stop_aborts_generation_within_a_few_engine_steps_and_leaves_it_reusab
     assert [(s.prompt_index, s.sample_index) for s in checked] == [
         (s.prompt_index, s.sample_index) for s in plain
     ]
+
+
+class Refresh:
+    """A `WeightRefresh` that has new weights waiting at the given checks (1 = the first,
+    before any token) and loads `weights` (HF name -> tensor) as the next version."""
+
+    def __init__(self, engine, at_checks, weights):
+        self.engine, self.at, self.weights = engine, set(at_checks), weights
+        self.version, self.checks = 0, 0
+
+    def pending(self):
+        self.checks += 1
+        return self.checks in self.at
+
+    def load(self):
+        self.engine.update_weights(iter(self.weights.items()))
+        self.version += 1
+        return self.version
+
+
+@pytest.fixture(scope="module")
+def hf_weights(tiny_model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return {k: v.clone() for k, v in hf.state_dict().items()}
+
+
+def test_with_no_weights_waiting_a_resumable_generation_is_the_plain_one(engine, prompts):
+    sampling = SamplingConfig(n=2, max_new_tokens=24)
+    plain = engine.generate(prompts, sampling, [11, 12, 13])
+    refresh = Refresh(engine, (), {})
+    resumable = engine.generate(prompts, sampling, [11, 12, 13], refresh=refresh)
+    assert refresh.checks >= 2  # it was asked, and nothing came
+    assert [(s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in resumable] == [
+        (s.prompt_index, s.sample_index, s.token_ids, s.finish_reason) for s in plain
+    ]
+    assert_close(
+        [lp for s in resumable for lp in s.logprobs], [lp for s in plain for lp in s.logprobs],
+        LOGPROB,
+    )  # fmt: skip
+    assert all(s.segments == [(0, 0)] and not s.mixed_version for s in resumable)
+
+
+def test_weights_arriving_mid_generation_continue_every_response_re_prefilled(
+    engine, prompts, hf_weights
+):
+    """New weights at the second check (8 tokens in): with the same weights reloaded, greedy
+    responses are the uninterrupted ones (the re-prefill recomputes the same KV); each says
+    which version made which tokens; seeded sampling with the same interruption repeats."""
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    plain = engine.generate(prompts, greedy)
+    resumed = engine.generate(prompts, greedy, refresh=Refresh(engine, (2,), hf_weights))
+    assert [s.token_ids for s in resumed] == [s.token_ids for s in plain]
+    assert all(s.segments == [(0, 0), (ABORT_CHECK_STEPS, 1)] for s in resumed)
+    assert all(s.mixed_version and s.response_length == 24 for s in resumed)
+
+    sampling = SamplingConfig(n=2, max_new_tokens=24, ignore_eos=True)
+    runs = [
+        engine.generate(prompts, sampling, [5, 6, 7], refresh=Refresh(engine, (2, 3), hf_weights))
+        for _ in range(2)
+    ]
+    assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
+    assert runs[0][0].segments == [(0, 0), (8, 1), (16, 2)]
+    assert [(s.prompt_index, s.sample_index) for s in runs[0]] == [
+        (p, i) for p in range(3) for i in range(2)
+    ]
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_each_token_keeps_the_log_prob_of_the_policy_that_sampled_it(
+    engine, prompts, hf_weights, tiny_model_dir
+):
+    """Different weights at the second check: the first 8 tokens are scored by the old
+    model, the rest by the new one (Hugging Face's log-softmax of each), not by either alone."""
+    new = dict(hf_weights)
+    g = torch.Generator().manual_seed(3)
+    for name in [n for n in new if n.endswith("mlp.down_proj.weight")]:
+        new[name] = new[name] + 0.05 * torch.randn(new[name].shape, generator=g)
+    sampling = SamplingConfig(n=1, max_new_tokens=20, ignore_eos=True)
+    try:
+        samples = engine.generate(
+            prompts, sampling, [21, 22, 23], refresh=Refresh(engine, (2,), new)
+        )
+    finally:
+        engine.update_weights(iter(hf_weights.items()))
+    models = []
+    for weights in (hf_weights, new):
+        m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        m.load_state_dict(weights)
+        models.append(m)
+    cut = ABORT_CHECK_STEPS
+    for s in samples:
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        start = len(s.prompt_token_ids)
+        under = []
+        for m in models:
+            with torch.no_grad():
+                logp = torch.log_softmax(m(ids).logits[0].float(), -1)
+            under.append(logp[start - 1 : -1].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0])
+        assert_close(s.logprobs[:cut], under[0][:cut], LOGPROB)
+        assert_close(s.logprobs[cut:], under[1][cut:], LOGPROB)
+        assert (under[1][cut:] - under[0][cut:]).abs().max() > 1e-2  # the versions differ
