@@ -27,6 +27,9 @@ knob: the weights are the same, and since w >= 0 scales both arms of the clipped
 "w times A" is "w times the per-token loss" (tested in
 tests/algorithms/test_rollout_correction_unit.py).
 
+`bypass_mode` (verl's) goes the other way: pi_old *is* pi_rollout (the engine's log-probs,
+no trainer forward), the cheap proximal policy of AReaL and verl's fully async recipe.
+
 Names as verl's `algorithm.rollout_correction` (rollout_is, rollout_is_threshold, rollout_rs,
 rollout_rs_threshold, rollout_rs_threshold_lower, rollout_token_veto_threshold). The
 diagnostics (`rollout_corr/*`) are computed every step, correction on or off, from sums a
@@ -62,8 +65,21 @@ class RolloutCorrectionConfig:
     """lower (< 1); None: 1 / upper."""
     rollout_token_veto_threshold: float | None = None
     """Drop a whole sequence when one of its tokens has w_t below this (e.g. 1e-4)."""
+    bypass_mode: bool = False
+    """Take the engine's log-probs as pi_old and skip the actor's forward pass that computes
+    them (verl's name; AReaL's and verl fully_async's cheap proximal policy): PPO's ratio is
+    then pi_theta / pi_behaviour, clipped, with no decoupling, and one actor forward per step
+    is saved. Nothing is then measured of the engine-trainer gap (`rollout_corr/*`,
+    `rollout/logprob_gap/*` are not logged) and nothing can correct it, so the weights and
+    rejections above are refused with it."""
 
     def __post_init__(self) -> None:
+        if self.bypass_mode and (self.rollout_is is not None or self.rejects):
+            raise ValueError(
+                "bypass_mode takes the engine's log-probs as pi_old, so pi_old / pi_rollout "
+                "is 1: rollout_is, rollout_rs and rollout_token_veto_threshold would do "
+                "nothing; leave them null with bypass_mode, or turn bypass_mode off"
+            )
         if self.rollout_is is not None and self.rollout_is not in ("token", "sequence"):
             raise ValueError(f"rollout_is must be token, sequence or null, got {self.rollout_is!r}")
         if self.rollout_rs is not None and self.rollout_rs not in (

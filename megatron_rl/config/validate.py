@@ -56,6 +56,20 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     dp = check_layout(config, trainers)
     check_batches(config, trainers, dp)
     check_models(config)
+    check_rollout_correction(config)
+
+
+def check_rollout_correction(config: TrainConfig) -> None:
+    """`algorithm.rollout_correction.bypass_mode` takes the engine's log-probs as the
+    policy's: they must be of the distribution the trainer models (full vocabulary)."""
+    r = config.rollout
+    if config.algorithm.rollout_correction.bypass_mode and r.truncated:
+        raise ConfigError(
+            f"algorithm.rollout_correction.bypass_mode=true with rollout.top_p={r.top_p} / "
+            f"top_k={r.top_k}: the engine's log-probs are then of a truncated distribution "
+            "the trainer does not model, so PPO's ratio would be biased from the first "
+            "update; sample from the full vocabulary (top_p 1, top_k 0) or turn bypass_mode off"
+        )
 
 
 def check_placement(config: TrainConfig, world_size: int) -> None:

@@ -86,8 +86,13 @@ def make_experience(
     batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
     split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
-    starting("actor")
-    old = actor.compute_logprobs(batch, **split)
+    engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
+    rc_config = config.algorithm.rollout_correction
+    if rc_config.bypass_mode:  # pi_old is the behaviour policy: no actor forward
+        old = engine_lp
+    else:
+        starting("actor")
+        old = actor.compute_logprobs(batch, **split)
     fields = {"old_logprobs": old}
     metrics = {}
     token_kl = None
@@ -127,8 +132,8 @@ def make_experience(
     if values is not None:
         metrics["critic/values/mean"] = masked_mean(values, mask).item()
         metrics["critic/vf_explained_var"] = data_parallel_explained_variance(values, returns, mask)
-    engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
-    rc_config = config.algorithm.rollout_correction
+    if rc_config.bypass_mode:  # old is the engine's: its gap to itself says nothing
+        return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics
     rc = compute_rollout_correction(old, engine_lp, mask, rc_config)
     metrics.update(CorrectionSums.metrics(data_parallel_sum(rc.sums), data_parallel_max(rc.maxima)))
     if rc.weights is not None:

@@ -148,6 +148,9 @@ def test_weights_times_advantages_equal_weighted_per_token_ppo_losses():
         ({"rollout_rs": "token", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 1.5}, "lower must be in"),
         ({"rollout_is_threshold": 0.0}, "rollout_is_threshold must be > 0"),
         ({"rollout_token_veto_threshold": 2.0}, "veto_threshold must be in"),
+        ({"bypass_mode": True, "rollout_is": "token"}, "pi_old / pi_rollout is 1"),
+        ({"bypass_mode": True, "rollout_rs": "token", "rollout_rs_threshold": 2.0}, "bypass_mode"),
+        ({"bypass_mode": True, "rollout_token_veto_threshold": 1e-4}, "bypass_mode"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_by_name(kw, message):

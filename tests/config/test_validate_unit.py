@@ -84,6 +84,15 @@ def test_parameter_offload_of_a_model_the_run_does_not_have_is_refused(tiny_mode
         validate_config(config_for(tiny_model_dir, *rloo, *every), 2)
 
 
+def test_bypass_mode_needs_log_probs_of_the_distribution_the_trainer_models(tiny_model_dir):
+    bypass = "algorithm.rollout_correction.bypass_mode=true"
+    validate_config(config_for(tiny_model_dir, bypass), 2)
+    for truncated in ("rollout.top_p=0.7", "rollout.top_k=20"):
+        with pytest.raises(ConfigError, match=r"bypass_mode=true with rollout.top_p=.*truncated"):
+            validate_config(config_for(tiny_model_dir, bypass, truncated), 2)
+        validate_config(config_for(tiny_model_dir, truncated), 2)  # without bypass: a warning
+
+
 def test_critic_and_reference_follow_the_algorithm(tiny_model_dir):
     assert config_for(tiny_model_dir).use_critic
     assert not config_for(tiny_model_dir, "algorithm.estimator=rloo").use_critic

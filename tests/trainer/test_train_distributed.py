@@ -292,15 +292,15 @@ DYNAMIC_BSZ = (
     "recipe,has_critic,extra",
     [
         ("ppo", True, ("actor.grad_offload=true", "critic.grad_offload=true", *DYNAMIC_BSZ)),
-        ("grpo", False, ()),
+        ("grpo", False, ("algorithm.rollout_correction.bypass_mode=true",)),
         ("rloo", False, BF16_ROLLOUT_CORRECTED),
         ("reinforce_pp", False, ()),
     ],
 )
 def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
-    """Each tiny recipe (GRPO: dynamic filtering, KL in the loss) trains for two steps; PPO
-    with its gradient buffers freed between updates and token-budget micro-batches; RLOO
-    with a bf16 rollout corrected by TIS and rejection."""
+    """Each tiny recipe (GRPO: dynamic filtering, KL in the loss, the engine's log-probs as
+    pi_old) trains for two steps; PPO with its gradient buffers freed between updates and
+    token-budget micro-batches; RLOO with a bf16 rollout corrected by TIS and rejection."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
     recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
@@ -323,6 +323,11 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
             assert 0 < r["rollout_corr/rollout_is_clipped_fraction"] < 1  # ... weights capped
             assert r["rollout_corr/rollout_is_eff_sample_size"] < 1
             assert r["rollout_corr/kl"] != 0
+    gap_logged = [
+        any(k.startswith(("rollout_corr/", "rollout/logprob_gap/")) for k in r) for r in records
+    ]
+    # bypass_mode: no trainer forward of pi_old, so no engine-trainer gap to measure
+    assert gap_logged == [recipe != "grpo"] * 2
     if "actor.use_dynamic_bsz=true" in extra:  # the budget, not micro_batch_size (1), split
         assert all(r["actor/micro_batches"] == r["critic/micro_batches"] == 2 for r in records)
         # trainer.balance_batch follows use_dynamic_bsz: the ranks' token counts were evened
