@@ -228,8 +228,7 @@ class EngineRanks:
         returns as `_share`."""
         results = None
         if self.is_source:
-            self._drain()
-            broadcast_object(self.stream, Generate(stage, step, data), root=0)
+            self._command(Generate(stage, step, data))
             results = [self._recv(e) for e in range(self.replicas)]
         return self._share(results)
 

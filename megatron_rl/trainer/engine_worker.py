@@ -50,9 +50,9 @@ class EngineWorker:
         self.leader = engine_rank % tp == 0
         """The replica's first rank: it scores, and answers trainer rank 0."""
         # every engine rank makes every replica's group, in order (a collective of the
-        # engines' world); gloo: flags and scores are host objects
-        self.replica_group = None
-        for first in range(0, placement.engine_ranks, tp):
+        # engines' world); gloo: flags and scores are host objects. TP 1: nothing to agree.
+        self.replica_group, self.replica_leader = None, engine_rank
+        for first in range(0, placement.engine_ranks, tp) if tp > 1 else ():
             group = dist.new_group(list(range(first, first + tp)), backend="gloo")
             if first <= engine_rank < first + tp:
                 self.replica_group, self.replica_leader = group, first
