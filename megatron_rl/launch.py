@@ -139,6 +139,11 @@ def run_nodes(
                 p.wait()
 
 
+PORT_TRIES = 3
+"""Launches of one job when the rendezvous port was taken between `free_port` and torchrun's
+bind (a race with any process on the host: seen once in 79 on the GPU machine, bench/gpu.md)."""
+
+
 def run_torchrun(
     target: str,
     args: Sequence[str] = (),
@@ -150,21 +155,14 @@ def run_torchrun(
     cwd: str | None = None,
     echo: bool = False,
 ) -> TorchrunResult:
-    """Run `python -m torch.distributed.run --nproc-per-node=nproc [-m] target args...`.
+    """Run `python -m torch.distributed.run --nproc-per-node=nproc [-m] target args...`, or
+    with RANKS_AS_NODES_ENV=1 a one-process torchrun node per rank (`rank_node_commands`).
 
-    Raises TorchrunError when the job exits non-zero or outlives `timeout` seconds.
+    Raises TorchrunError when the job exits non-zero or outlives `timeout` seconds. A launch
+    whose rendezvous lost its port to another process (no worker started) is retried on a
+    fresh port, at most PORT_TRIES launches in all.
     """
     job = [*(["-m", target] if module else [target]), *args]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        *job,
-    ]
     full_env = {
         **os.environ,
         # One intra-op thread per rank unless told otherwise: more ranks than cores thrash
@@ -173,53 +171,41 @@ def run_torchrun(
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    if os.environ.get(RANKS_AS_NODES_ENV) == "1":
-        return _run_torchrun_as_nodes(target, job, nproc, timeout, full_env, cwd, echo)
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)
-        output, _ = proc.communicate()
-        raise TorchrunError(
-            f"torchrun {target} timed out after {timeout:.0f}s and was killed; output:\n"
-            + _tail(output or "")
-        ) from None
+    as_nodes = os.environ.get(RANKS_AS_NODES_ENV) == "1"
+    for _ in range(PORT_TRIES):
+        if as_nodes:
+            nodes = rank_node_commands(nproc, free_port(), job)
+        else:
+            nodes = [(_local_command(nproc, free_port(), job), {})]
+        with tempfile.TemporaryFile("w+") as out:
+            code = run_nodes(nodes, full_env, timeout, out, cwd)
+            out.seek(0)
+            output = out.read()
+        if not (code and lost_port_race(output)):
+            break
     if echo:
         print(output, end="")
-    if proc.returncode != 0:
-        raise TorchrunError(
-            f"torchrun {target} exited with {proc.returncode}; output:\n" + _tail(output)
-        )
-    return TorchrunResult(proc.returncode, output)
-
-
-def _run_torchrun_as_nodes(target, job, nproc, timeout, env, cwd, echo) -> TorchrunResult:
-    """`run_torchrun` with each rank a node of its own (RANKS_AS_NODES_ENV)."""
-    with tempfile.TemporaryFile("w+") as out:
-        code = run_nodes(rank_node_commands(nproc, free_port(), job), env, timeout, out, cwd)
-        out.seek(0)
-        output = out.read()
-    if echo:
-        print(output, end="")
+    what = f"torchrun {target}" + (" (a node per rank)" if as_nodes else "")
     if code is None:
         raise TorchrunError(
-            f"torchrun {target} (a node per rank) timed out after {timeout:.0f}s and was "
-            "killed; output:\n" + _tail(output)
+            f"{what} timed out after {timeout:.0f}s and was killed; output:\n" + _tail(output)
         )
     if code != 0:
-        raise TorchrunError(
-            f"torchrun {target} (a node per rank) exited with {code}; output:\n" + _tail(output)
-        )
+        raise TorchrunError(f"{what} exited with {code}; output:\n" + _tail(output))
     return TorchrunResult(code, output)
+
+
+def _local_command(nproc: int, port: int, job: Sequence[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--nnodes=1", "--master-addr=127.0.0.1", f"--master-port={port}", *job,
+    ]  # fmt: skip
+
+
+def lost_port_race(output: str) -> bool:
+    """Whether torchrun's output is its rendezvous failing to bind its port (EADDRINUSE in
+    the agent's `next_rendezvous`, before any worker starts): a launch safe to repeat."""
+    return "EADDRINUSE" in output and "next_rendezvous" in output
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_rl import launch
 from megatron_rl.launch import (
     RANKS_AS_NODES_ENV,
     SHUTDOWN_TIMEOUT_S,
@@ -61,6 +63,27 @@ def test_a_node_per_rank_reports_the_failing_rank_and_kills_a_hung_job(monkeypat
         ["pgrep", "-f", "tests.torchrun.misbehave --mode hang"], capture_output=True, text=True
     )
     assert leftover.stdout.strip() == "", "a worker outlived the timeout"
+
+
+@pytest.mark.parametrize("as_nodes", [False, True], ids=["local", "node-per-rank"])
+def test_a_launch_whose_port_was_taken_is_repeated_on_a_fresh_port(monkeypatch, as_nodes):
+    """`free_port` can hand out a port another process binds before torchrun does (seen on
+    the GPU machine): the rendezvous fails with EADDRINUSE before any worker starts, and the
+    job is launched again on a new port; a port taken on every try still fails, saying so."""
+    if as_nodes:
+        monkeypatch.setenv(RANKS_AS_NODES_ENV, "1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        handed = iter([port])
+        monkeypatch.setattr(launch, "free_port", lambda: next(handed, None) or free_port())
+        out = run_torchrun("tests.torchrun.misbehave", ["--mode", "whoami"], timeout=120).output
+        assert "EADDRINUSE" not in out and len(re.findall(r"whoami rank=\d", out)) == 2, out
+
+        monkeypatch.setattr(launch, "free_port", lambda: port)
+        with pytest.raises(TorchrunError, match="EADDRINUSE"):
+            run_torchrun("tests.torchrun.misbehave", ["--mode", "whoami"], timeout=120)
 
 
 def test_a_signal_to_the_launcher_before_its_workers_exist_is_honoured_by_them():
