@@ -83,7 +83,17 @@ def check_placement(config: TrainConfig, world_size: int) -> None:
                 "rollout.placement=disaggregated: colocated engines and trainers take turns "
                 "on the same devices, so generation cannot run ahead"
             )
+        if config.async_.partial_rollout:
+            raise ConfigError(
+                "async.partial_rollout=true needs rollout.placement=disaggregated: colocated, "
+                "no update happens while the engine generates"
+            )
         return
+    if config.async_.partial_rollout and r.name != "vllm":
+        raise ConfigError(
+            f"async.partial_rollout=true needs rollout.name=vllm, got {r.name!r}: only vLLM's "
+            "generation can be interrupted for new weights and continued"
+        )
     if r.engine_ranks >= world_size:
         raise ConfigError(
             f"rollout.engine_ranks={r.engine_ranks} leaves no training rank in the launch's "

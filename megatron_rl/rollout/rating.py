@@ -32,7 +32,7 @@ from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.scorer import check_failure_ratio
 from megatron_rl.rollout.strategies import Group, RatedSample, make_strategy
-from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig
+from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig, WeightRefresh
 
 
 class Engine(Protocol):
@@ -123,6 +123,7 @@ def generate_samples_with_rating(
     seed: int | None = None,
     should_stop: Callable[[], bool] | None = None,
     stop_generation: Callable[[], bool] | None = None,
+    refresh: WeightRefresh | None = None,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -141,10 +142,13 @@ def generate_samples_with_rating(
     one chunk's scores. `stop_generation` (this rank's own request; engines with
     `aborts_generation` only) goes to each engine call, which then aborts within a few engine
     steps; without it a stop during generation waits for the chunk's generation.
+    `refresh` goes to each engine call too (partial rollouts: `VLLMEngine.generate`).
     """
     if stop_generation is not None and not engine.aborts_generation:
         raise ValueError(f"{type(engine).__name__} cannot abort a generation: no stop_generation")
     in_engine = {} if stop_generation is None else {"should_stop": stop_generation}
+    if refresh is not None:
+        in_engine["refresh"] = refresh
     config = config or RatingConfig()
     if rollout_size < 1:
         raise ValueError(f"rollout_size must be >= 1, got {rollout_size}")
@@ -236,6 +240,9 @@ def _rollout_metrics(groups, rollout_size, num_chunks, generated, dropped) -> di
         "rollout/short": float(len(groups) < rollout_size),
         "rollout/num_samples": float(len(samples)),
     }
+    if any(s.sample.segments for s in samples):  # partial rollouts (versions told)
+        mixed = sum(s.sample.mixed_version for s in samples)
+        m["rollout/mixed_version_share"] = mixed / len(samples)
     if samples:
         m["rollout/reward/mean"] = sum(s.reward for s in samples) / len(samples)
         m["rollout/response_length/mean"] = sum(s.sample.response_length for s in samples) / len(

@@ -116,8 +116,8 @@ class WeightRefresh(Protocol):
         """Whether a newer version waits to be loaded (asked every ABORT_CHECK_STEPS)."""
 
     def load(self) -> int:
-        """Load it into the engine (`update_weights`; no request is running then) and return
-        its version."""
+        """Load it into the engine (`update_weights`; no request is running then: the engine
+        may also be used meanwhile, e.g. to evaluate) and return the version held."""
 
 
 @dataclass
@@ -439,7 +439,8 @@ class VLLMEngine:
                     version = refresh.load()
                     for (i, j), st in states.items():
                         if st.finish_reason is None:
-                            st.segments.append((len(st.tokens), version))
+                            if version != st.segments[-1][1]:  # (load may only evaluate)
+                                st.segments.append((len(st.tokens), version))
                             p = per_prompt[i].clone()
                             p.n, p.max_tokens = 1, per_prompt[i].max_tokens - len(st.tokens)
                             p.seed = continuation_seed(per_prompt[i].seed, j, len(st.tokens))

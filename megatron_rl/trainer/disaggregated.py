@@ -7,7 +7,7 @@ trainer rank 0 as rank 0 and engine rank e as rank 1 + e: the *stream* (gloo alw
 and rated samples are host objects; no device sync for control) and the *bridge* (NCCL on
 GPU: the actor's tensors, `sync/weight_push.py`).
 
-PPO steps, k = async.max_staleness (0 or 1):
+PPO steps, k = async.max_staleness:
 
     trainer rank 0                              engine rank e (one of E replicas)
     Rounds(step, end, data position, k) ------>  for r in step..end-1: wait (reading
@@ -21,11 +21,18 @@ PPO steps, k = async.max_staleness (0 or 1):
     Shutdown ----------------------------------> exits
 
 At k = 0 step r's rollout is made with the weights step r trains: the colocated run, exactly.
-At k = 1 the engine makes step r + 1's while step r trains (one-step-off). Before each command
-the trainers receive every answer the engines send first (`RoundsInFlight`): a gloo send
-waits for its receive, so an answer left unreceived would block the engine that a command
-broadcast waits for. Value pretraining (policy frozen) asks for one round at a time
-(`Generate`); evaluations ride on a push (or `Evaluate`).
+At k = 1 the engine makes step r + 1's while step r trains (one-step-off).
+
+Every command is one ring of the *doorbell* (a counter in the job's store, DOORBELL_KEY) and
+one `Ready` from each replica: an engine sends `Ready` on the stream just before it reads a
+command, and the trainers, having rung, receive from each replica until its `Ready` (keeping
+the `Rated` answers that come first) before they send the command. A gloo send waits for its
+receive, so this is what keeps both sides from waiting on each other whatever the timing.
+An engine reads a command when it must wait for a version; with `async.partial_rollout` also
+as soon as it sees the bell (between rounds, and inside a round every few engine steps: the
+round then goes on under the new weights, `VLLMEngine.generate(refresh=...)`), which is what
+lets k >= 2 run without a push waiting for rounds ahead. Value pretraining (policy frozen)
+asks for one round at a time (`Generate`); evaluations ride on a push (or `Evaluate`).
 
 A stop request reaches both roles through the job's store: an engine aborts its round within
 a few engine steps and answers `aborted`, the trainers abort the step as colocated (its start
@@ -64,8 +71,8 @@ class Generate:
 class Rounds:
     """Generate PPO steps `step`..`end - 1`, round after round, from data position `data`:
     round r starts once you hold a version >= r - `max_staleness`; answer each (`Rated`);
-    read commands only while waiting for a version, and after the last round or an aborted
-    one."""
+    read commands while waiting for a version, after the last round or an aborted one, and
+    (partial rollouts) whenever the doorbell rang."""
 
     step: int
     end: int
@@ -91,6 +98,18 @@ class Evaluate:
 
 
 @dataclass(frozen=True)
+class Ready:
+    """An engine replica's first rank is about to read a command."""
+
+    replica: int
+
+
+DOORBELL_KEY = "megatron_rl/doorbell"
+"""The job-store counter trainer rank 0 adds 1 to before each command: an engine that has
+read fewer commands than it counts has one waiting."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The run is over (or stopped and saved): leave."""
 
@@ -109,7 +128,8 @@ class Rated:
     round: int = 0
     """The step it is the rollout of."""
     version: int = 0
-    """The policy version that generated it."""
+    """The policy version that generated it (with partial rollouts: the one its responses
+    started under; later tokens may come from newer ones, `Sample.segments`)."""
 
 
 def cross_role_groups(placement: Placement, store, rank: int):
@@ -144,36 +164,6 @@ def deal(results: list[Rated], dp_size: int) -> tuple[list[list], dict, dict, st
     return shares, metrics, furthest([r.data for r in results]), aborted
 
 
-@dataclass
-class RoundsInFlight:
-    """What the trainers know of the engines' rounds (`Rounds`): replica e answers round
-    `next_round[e]` next; it starts a round r only while it holds a version >= r -
-    max_staleness (the admission rule: every sample of round r is then at most max_staleness
-    versions behind the policy step r trains), and stops at `end` or after an aborted round.
-    So before any command the trainers can receive exactly the answers the engines will send
-    before reading it (`due`): no send is left waiting on a receive while a broadcast waits
-    for its sender."""
-
-    end: int
-    max_staleness: int
-    next_round: list[int]
-    stopped: list[bool]
-
-    @classmethod
-    def starting(cls, step: int, end: int, max_staleness: int, replicas: int):
-        return cls(end, max_staleness, [step] * replicas, [False] * replicas)
-
-    def due(self, replica: int, version: int) -> bool:
-        """Whether `replica`, holding `version`, answers another round before it reads a
-        command."""
-        r = self.next_round[replica]
-        return not self.stopped[replica] and r < self.end and r - self.max_staleness <= version
-
-    def answered(self, replica: int, aborted: bool) -> None:
-        self.next_round[replica] += 1
-        self.stopped[replica] = self.stopped[replica] or aborted
-
-
 class EngineRanks:
     """The engine ranks, seen from the trainers: every trainer rank calls each method at the
     same point (the trainers' default group carries the results from trainer rank 0, the
@@ -194,7 +184,8 @@ class EngineRanks:
         self.version = 0
         """The policy version the engines hold: what was pushed last (0: the starting
         weights, which the engines load themselves)."""
-        self.rounds: RoundsInFlight | None = None
+        self.store = store
+        self.rounds_started = False
         self.pending: dict[int, list[Rated]] = {}
         """Answers received ahead of their step, by round."""
 
@@ -238,36 +229,34 @@ class EngineRanks:
         (used when this is the first round asked for)."""
         results = None
         if self.is_source:
-            if self.rounds is None:
-                self.rounds = RoundsInFlight.starting(step, end, self.max_staleness, self.replicas)
-                broadcast_object(self.stream, Rounds(step, end, data, self.max_staleness), root=0)
+            if not self.rounds_started:
+                self._command(Rounds(step, end, data, self.max_staleness))
+                self.rounds_started = True
             for e in range(self.replicas):
-                while self.rounds.next_round[e] <= step and self.rounds.due(e, self.version):
-                    self._receive(e)
-            results = self.pending.pop(step, [])
-            if len(results) != self.replicas:
-                raise RuntimeError(
-                    f"round {step}: {len(results)} of {self.replicas} engine replicas "
-                    f"answered (engines hold version {self.version}, max_staleness "
-                    f"{self.max_staleness}): a protocol bug"
-                )
+                while e not in {r.replica for r in self.pending.get(step, [])}:
+                    if self._receive(e):
+                        raise RuntimeError(
+                            f"round {step}: engine replica {e} waits for a command instead "
+                            f"of answering it (engines hold version {self.version}, "
+                            f"max_staleness {self.max_staleness}): a protocol bug"
+                        )
+            results = self.pending.pop(step)
         return self._share(results)
 
-    def _receive(self, replica: int) -> None:
+    def _receive(self, replica: int) -> bool:
+        """One message from `replica`: True if it is `Ready`, else an answer kept by round."""
         answer = self._recv(replica)
-        self.rounds.answered(replica, answer.aborted is not None)
+        if isinstance(answer, Ready):
+            return True
         self.pending.setdefault(answer.round, []).append(answer)
-
-    def _drain(self) -> None:
-        """Receive every answer the engines send before they read a command."""
-        if self.rounds is None:
-            return
-        for e in range(self.replicas):
-            while self.rounds.due(e, self.version):
-                self._receive(e)
+        return False
 
     def _command(self, command) -> None:
-        self._drain()
+        """Ring, receive until every replica is Ready, send (the module's docstring)."""
+        self.store.add(DOORBELL_KEY, 1)
+        for e in range(self.replicas):
+            while not self._receive(e):
+                pass
         broadcast_object(self.stream, command, root=0)
 
     def evaluate(self, step: int) -> list[torch.Tensor]:

@@ -3,7 +3,11 @@ generates and scores. It holds its part of a rollout engine (vLLM TP t: t consec
 ranks form one engine, a *replica*), the tokenizer, the prompts and, on a replica's first
 rank, the reward pool; no Megatron, no checkpoint. Every rank of a replica carries out trainer
 rank 0's commands (`trainer/disaggregated.py`) in step, as vLLM's TP needs; the first answers
-for the replica. Until told to shut down."""
+for the replica. Until told to shut down.
+
+With `async.partial_rollout` the worker is also its engine's `WeightRefresh`: asked inside a
+round whether the doorbell rang, it reads the command there (`load`), so new weights (or an
+evaluation, or Shutdown) reach it mid-generation."""
 
 from __future__ import annotations
 
@@ -21,9 +25,11 @@ from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.sync.weight_push import broadcast_object, receive_weights, send_object
 from megatron_rl.sync.weight_sync import checked
 from megatron_rl.trainer.disaggregated import (
+    DOORBELL_KEY,
     Evaluate,
     Generate,
     Rated,
+    Ready,
     Rounds,
     Shutdown,
     Weights,
@@ -35,6 +41,10 @@ from megatron_rl.trainer.rounds import (
     build_evaluator,
     generate_round,
 )
+
+
+class EngineShutdown(Exception):
+    """Shutdown read inside a round (partial rollouts): unwinds the round, nothing answered."""
 
 
 class EngineWorker:
@@ -72,6 +82,8 @@ class EngineWorker:
         self.expected = expected_hf_shapes(source.architecture(), "actor")
         self.version = 0
         """The policy version the engine holds: the number of updates behind its weights."""
+        self.store, self.commands_read = store, 0
+        self.partial_rollout = c.async_.partial_rollout
         self.stream, self.bridge = cross_role_groups(placement, store, rank)
 
     def run(self) -> None:
@@ -81,39 +93,71 @@ class EngineWorker:
 
     def obey(self) -> bool:
         """Read one command from trainer rank 0 and carry it out; False on Shutdown."""
-        command = broadcast_object(self.stream, None, root=0)
+        command = self.read_command()
         if isinstance(command, Shutdown):
             return False
-        if isinstance(command, Weights):
-            self.load_weights()
-            if command.evaluate_step is not None:
-                self.answer(self.evaluator.local_sums(command.evaluate_step))
+        if isinstance(command, (Weights, Evaluate)):
+            self.weights_or_evaluate(command)
         elif isinstance(command, Generate):
             self.prompts.load_state_dict(command.data)
             self.answer(self.generate(command.stage, command.step))
         elif isinstance(command, Rounds):
             return self.rounds(command)
-        elif isinstance(command, Evaluate):
-            self.answer(self.evaluator.local_sums(command.step))
         else:
             raise TypeError(f"engine rank: unknown command {command!r}")
         return True
 
+    def read_command(self):
+        """The next command, once trainer rank 0 knows this replica listens (`Ready`)."""
+        self.answer(Ready(self.replica))
+        self.commands_read += 1
+        return broadcast_object(self.stream, None, root=0)
+
+    def weights_or_evaluate(self, command: Weights | Evaluate) -> None:
+        if isinstance(command, Weights):
+            self.load_weights()
+            if command.evaluate_step is not None:
+                self.answer(self.evaluator.local_sums(command.evaluate_step))
+        else:
+            self.answer(self.evaluator.local_sums(command.step))
+
     def rounds(self, command: Rounds) -> bool:
         """PPO steps command.step.. end - 1 from command.data on, each started once the
-        weights held are at most max_staleness versions behind it (`RoundsInFlight` is the
-        trainers' mirror of this loop); commands are read while waiting for weights. False
+        weights held are at most max_staleness versions behind it; commands are read while
+        waiting for weights and, with partial rollouts, whenever the doorbell rang. False
         when one was Shutdown."""
         self.prompts.load_state_dict(command.data)
-        for step in range(command.step, command.end):
-            while self.version < step - command.max_staleness:
-                if not self.obey():
-                    return False
-            answer = self.generate("train", step)
-            self.answer(answer)
-            if answer.aborted:
-                break
+        try:
+            for step in range(command.step, command.end):
+                while self.version < step - command.max_staleness or (
+                    self.partial_rollout and self.agreed(self.pending())
+                ):
+                    if not self.obey():
+                        return False
+                answer = self.generate("train", step)
+                self.answer(answer)
+                if answer.aborted:
+                    break
+        except EngineShutdown:
+            return False
         return True
+
+    # WeightRefresh (`VLLMEngine.generate`), for partial rollouts
+    def pending(self) -> bool:
+        """Whether the doorbell rang for a command this rank has not read (the engine
+        agrees over its ranks)."""
+        return int(self.store.add(DOORBELL_KEY, 0)) > self.commands_read
+
+    def load(self) -> int:
+        """Read the waiting command inside a round (the engine is empty): new weights, an
+        evaluation, or Shutdown (raised); returns the version held."""
+        command = self.read_command()
+        if isinstance(command, Shutdown):
+            raise EngineShutdown
+        if not isinstance(command, (Weights, Evaluate)):
+            raise TypeError(f"engine rank: {command!r} inside a round")
+        self.weights_or_evaluate(command)
+        return self.version
 
     def answer(self, obj) -> None:
         """To trainer rank 0, from the replica's first rank (the others made the same)."""
@@ -123,10 +167,15 @@ class EngineWorker:
     def stop_requested(self) -> bool:
         """A stop request on any rank of this replica (its ranks run one vLLM engine in
         step, so they must all stop at the same check)."""
-        flag = torch.tensor([int(STOP.requested)], device="cpu")
-        if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_group)
-        return bool(flag.item())
+        return self.agreed(STOP.requested)
+
+    def agreed(self, flag: bool) -> bool:
+        """`flag` on any rank of this replica (gloo: a host flag, no device sync)."""
+        if self.replica_group is None or dist.get_world_size(self.replica_group) == 1:
+            return flag
+        t = torch.tensor([int(flag)], device="cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return bool(t.item())
 
     def load_weights(self) -> None:
         version, pairs = receive_weights(self.bridge, root=0)
@@ -141,18 +190,19 @@ class EngineWorker:
         def stop() -> bool:  # inside one engine call: the engine agrees over its TP group
             return STOP.requested
 
-        start = self.prompts.state_dict()
+        start, head = self.prompts.state_dict(), self.version
         shard = DataParallelShard(self.prompts, self.replica, self.replicas)
+        refresh = self if self.partial_rollout and stage == "train" else None
         try:
             rollout = generate_round(
-                self.config, stage, step, shard, self.engine, self.pool,
-                self.tokenizer, should_stop=self.stop_requested, stop_generation=stop,
+                self.config, stage, step, shard, self.engine, self.pool, self.tokenizer,
+                should_stop=self.stop_requested, stop_generation=stop, refresh=refresh,
             )  # fmt: skip
         except StepAborted as e:
-            return Rated(self.replica, [], {}, start, e.phase, step, self.version)
+            return Rated(self.replica, [], {}, start, e.phase, step, head)
         return Rated(
             self.replica, rollout.groups, rollout.metrics, self.prompts.state_dict(), None,
-            step, self.version,
+            step, head,
         )  # fmt: skip
 
     def close(self) -> None:

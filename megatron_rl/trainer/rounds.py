@@ -16,7 +16,12 @@ from megatron_rl.data import load_prompts
 from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating, request_seed
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.vllm_engine import (
+    EngineConfig,
+    SamplingConfig,
+    VLLMEngine,
+    WeightRefresh,
+)
 from megatron_rl.trainer.evaluation import EVAL_STAGE, Evaluator
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
@@ -107,10 +112,11 @@ def generate_round(
     tokenizer,
     should_stop: Callable[[], bool],
     stop_generation: Callable[[], bool] | None,
+    refresh: WeightRefresh | None = None,
 ) -> RatedRollout:
     """The rated groups of `prompts.dp_rank`'s share (rollout_batch_size / dp_size prompts)
     of `stage` step `step`; `StepAborted` when `should_stop` says so (see
-    `generate_samples_with_rating`)."""
+    `generate_samples_with_rating`); `refresh`: partial rollouts (`VLLMEngine.generate`)."""
     return generate_samples_with_rating(
         prompts,
         config.rollout.rollout_batch_size // prompts.dp_size,
@@ -122,4 +128,5 @@ def generate_round(
         seed=request_seed(config.trainer.seed, STAGES[stage], step),
         should_stop=should_stop,
         stop_generation=stop_generation if engine.aborts_generation else None,
+        refresh=refresh,
     )

@@ -233,13 +233,26 @@ def test_placement_and_engine_ranks_must_agree(tiny_model_dir):
         config_for(tiny_model_dir, "rollout.placement=apart")
 
 
-def test_max_staleness_needs_engines_apart_and_partial_rollouts_beyond_one(tiny_model_dir):
+def test_max_staleness_and_partial_rollouts_need_engines_apart_and_vllm(tiny_model_dir):
     """YAML key `async` (a Python keyword: the field is `async_`), read and written back."""
     config = config_for(tiny_model_dir, "async.max_staleness=1")
-    assert config.async_.max_staleness == 1 and to_dict(config)["async"] == {"max_staleness": 1}
+    assert config.async_.max_staleness == 1 and to_dict(config)["async"] == {
+        "max_staleness": 1,
+        "partial_rollout": False,
+    }
     with pytest.raises(
         ConfigError, match="async.max_staleness=1 needs rollout.placement=disaggregated"
     ):
         validate_config(config, world_size=2)
-    with pytest.raises(ConfigError, match="max_staleness must be 0 or 1, got 2 .*partial"):
+    with pytest.raises(ConfigError, match="max_staleness=2 needs partial_rollout=true"):
         config_for(tiny_model_dir, "async.max_staleness=2")
+    with pytest.raises(ConfigError, match="max_staleness must be >= 0, got -1"):
+        config_for(tiny_model_dir, "async.max_staleness=-1")
+    config = config_for(tiny_model_dir, "async.max_staleness=2", "async.partial_rollout=true")
+    assert to_dict(config)["async"] == {"max_staleness": 2, "partial_rollout": True}
+    with pytest.raises(ConfigError, match="partial_rollout=true needs rollout.placement=disagg"):
+        validate_config(config_for(tiny_model_dir, "async.partial_rollout=true"), world_size=2)
+    apart = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
+    hf = config_for(tiny_model_dir, "async.partial_rollout=true", "rollout.name=hf", *apart)
+    with pytest.raises(ConfigError, match="partial_rollout=true needs rollout.name=vllm, got 'hf'"):
+        validate_config(hf, world_size=2)

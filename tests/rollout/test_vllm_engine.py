@@ -192,6 +192,28 @@ def test_weights_arriving_mid_generation_continue_every_response_re_prefilled(
     assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
+def test_a_refresh_that_only_uses_the_emptied_engine_leaves_the_responses_whole(engine, prompts):
+    """What an engine rank does when the command read inside a round is an evaluation: the
+    load generates other requests on the emptied engine and keeps the version. The round's
+    greedy responses come out as the uninterrupted ones, in one segment, and the
+    evaluation's own are what it would be alone."""
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    plain = engine.generate(prompts, greedy)
+    alone = engine.generate(prompts[:1], greedy)
+    inside = []
+
+    class Evaluate(Refresh):
+        def load(self):
+            inside.append(engine.generate(prompts[:1], greedy))
+            return self.version
+
+    resumed = engine.generate(prompts, greedy, refresh=Evaluate(engine, (2,), {}))
+    assert [s.token_ids for s in resumed] == [s.token_ids for s in plain]
+    assert all(s.segments == [(0, 0)] and not s.mixed_version for s in resumed)
+    assert [s.token_ids for s in inside[0]] == [s.token_ids for s in alone]
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 def test_each_token_keeps_the_log_prob_of_the_policy_that_sampled_it(
     engine, prompts, hf_weights, tiny_model_dir
 ):

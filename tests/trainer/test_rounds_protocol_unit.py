@@ -3,7 +3,8 @@
 one `EngineWorker` loop per engine replica, each in a thread, joined by channels where a
 send waits for its receive, as a gloo send does. Generation, weights and the trainers' own
 collectives are replaced (their tests are the distributed ones); what runs is the real
-order of commands and answers, the admission rule and its mirror (`RoundsInFlight`).
+order of commands and answers: the doorbell, `Ready`, the admission rule, and partial
+rollouts' reads of a command inside a round (`EngineWorker.load`).
 
 A protocol bug shows as a send nobody receives: the channel times out and the test fails
 instead of hanging."""
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron_rl.trainer import disaggregated, engine_worker
-from megatron_rl.trainer.disaggregated import EngineRanks, Rated, RoundsInFlight
+from megatron_rl.trainer.disaggregated import DOORBELL_KEY, EngineRanks, Rated
 from megatron_rl.trainer.engine_worker import EngineWorker
 
 TIMEOUT_S = 10.0
@@ -45,37 +47,71 @@ class Channel:
         return obj
 
 
-class Engine(EngineWorker):
-    """An engine replica whose rounds are labels and whose weights are a version number."""
+class Store:
+    """The job's store, as far as the doorbell uses it: an atomic counter."""
 
-    def __init__(self, replica: int, replicas: int, abort_round: int | None):
+    def __init__(self):
+        self.lock, self.counts = threading.Lock(), {}
+
+    def add(self, key: str, n: int) -> int:
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + n
+            return self.counts[key]
+
+
+class Engine(EngineWorker):
+    """An engine replica whose rounds are labels and whose weights are a version number.
+    With `partial_rollout`, round r > the first goes on until the weights of version r reach
+    it inside the round (as a long generation would), asking at each check as vLLM does."""
+
+    def __init__(self, replica, replicas, abort_round, store, partial_rollout=False):
         self.replica, self.replicas, self.version = replica, replicas, 0
         self.stream = self.bridge = None  # the channels below stand in for both groups
         self.leader, self.replica_group = True, None  # one rank per replica here
+        self.store, self.commands_read, self.partial_rollout = store, 0, partial_rollout
         self.to_engine, self.to_trainer = Channel(), Channel()
         self.abort_round = abort_round
-        self.generated: list[tuple[int, int]] = []  # (round, version)
+        self.generated: list[tuple[int, int]] = []  # (round, version it started with)
+        self.segments: dict[int, list[int]] = {}  # round -> the versions it ran under
+        self.first_round = None
         self.prompts = SimpleNamespace(load_state_dict=lambda state: None)
         self.evaluator = SimpleNamespace(local_sums=lambda step: [torch.tensor([float(step)])])
 
+    def rounds(self, command):
+        self.first_round = command.step
+        return super().rounds(command)
+
     def generate(self, stage, step):
-        self.generated.append((step, self.version))
+        head = self.version
+        self.generated.append((step, head))
+        self.segments[step] = [head]
+        if self.partial_rollout and step > self.first_round:
+            deadline = time.monotonic() + TIMEOUT_S
+            while self.version < step:  # until the push after step - 1's update reached it
+                if self.pending():  # `VLLMEngine._generate_resumable`'s check
+                    version = self.load()
+                    if version != self.segments[step][-1]:
+                        self.segments[step].append(version)
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"round {step}: no weights came while it ran")
+                time.sleep(0.001)
         aborted = "rollout/generate" if step == self.abort_round else None
         groups = [] if aborted else [f"r{step}e{self.replica}"]
         return Rated(self.replica, groups, {"m": 1.0}, {"epoch": 0, "index": step}, aborted,
-                     step, self.version)  # fmt: skip
+                     step, head)  # fmt: skip
 
     def load_weights(self):
         self.version = self.to_engine.recv()
 
 
 def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=None,
-                 stop_after_round=None, evaluate_at=()):  # fmt: skip
+                 stop_after_round=None, evaluate_at=(), partial_rollout=False):  # fmt: skip
     """The trainers' loop of `RLTrainer` (round, then a push after the update, evaluating
     where due) from step `start` to `end`; a stop request aborts the step whose round comes
     back aborted, or (`stop_after_round`) the step whose round was just taken. Returns the
     steps' (staleness, groups), the eval sums and the engines."""
-    engines = [Engine(e, replicas, abort_round) for e in range(replicas)]
+    store = Store()
+    engines = [Engine(e, replicas, abort_round, store, partial_rollout) for e in range(replicas)]
     current = threading.local()  # which engine a thread is
 
     def engine_broadcast(group, obj, root):
@@ -111,7 +147,7 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     ranks.max_staleness, ranks.dp_ranks, ranks.bucket_bytes = max_staleness, [0], 1
     ranks.engine_tp = 1
     ranks.stream = ranks.bridge = object()
-    ranks.version, ranks.rounds, ranks.pending = start, None, {}
+    ranks.version, ranks.rounds_started, ranks.pending, ranks.store = start, False, {}, store
     for engine in engines:
         engine.version = start  # the weights a resume pushed
 
@@ -132,6 +168,11 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     for step in range(start, end):
         groups, _, _, aborted, version = ranks.round(step, end, {"epoch": 0, "index": step})
         steps.append((step - version, groups))
+        if partial_rollout and step + 1 < end:  # the next command comes inside the next round
+            deadline = time.monotonic() + TIMEOUT_S
+            while any(len(e.generated) < step + 2 - start for e in engines):
+                assert time.monotonic() < deadline, f"no engine started round {step + 1}"
+                time.sleep(0.001)
         if aborted or step == stop_after_round:
             break
         sums = ranks.push(actor, step + 1, step + 1 if step + 1 in evaluate_at else None)
@@ -143,6 +184,8 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     if errors:
         raise errors[0]
     assert not any(t.is_alive() for t in threads), "an engine never saw Shutdown"
+    # every command was one ring and one Ready from each replica
+    assert all(e.commands_read == store.counts[DOORBELL_KEY] for e in engines)
     return steps, evals, engines
 
 
@@ -194,14 +237,35 @@ def test_a_stop_in_the_trainers_phases_drains_the_round_ahead_before_shutting_do
         assert [r for r, _ in engine.generated] == list(range(3 + max_staleness))
 
 
-def test_rounds_in_flight_follow_the_admission_rule():
-    rounds = RoundsInFlight.starting(step=4, end=7, max_staleness=1, replicas=2)
-    assert rounds.due(0, version=4) and rounds.due(1, version=3)
-    rounds.answered(0, aborted=False)
-    rounds.answered(0, aborted=False)  # rounds 4 and 5
-    assert not rounds.due(0, version=4)  # round 6 needs version 5
-    assert rounds.due(0, version=5)
-    rounds.answered(1, aborted=True)
-    assert not rounds.due(1, version=9)  # stopped after an aborted round
-    rounds.answered(0, aborted=False)
-    assert not rounds.due(0, version=9)  # past the end
+@pytest.mark.parametrize("max_staleness", [1, 2])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_partial_rollouts_take_each_push_inside_the_round_and_go_on(
+    monkeypatch, replicas, max_staleness
+):
+    """With partial rollouts every round after the first is still running when the next
+    push comes (as a long generation would): the engines read the push inside it and
+    finish it under the new weights; a round started under version v is then trained at step
+    v + 1 (staleness 1, never more than max_staleness); evaluations and the final Shutdown
+    are read inside rounds too, and nothing is left unreceived."""
+    steps, evals, engines = run_protocol(
+        monkeypatch, replicas, max_staleness, 0, 5, evaluate_at={2, 5}, partial_rollout=True
+    )
+    assert [lag for lag, _ in steps] == [0, 1, 1, 1, 1]
+    for engine in engines:
+        assert engine.generated[:5] == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
+        # each round from 1 on switched to the next version inside it
+        assert [engine.segments[r] for r in range(1, 5)] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+        # round 5 does not exist (end = 5): the engines left at Shutdown
+        assert len(engine.generated) == 5
+    assert evals == {2: [2.0 * replicas], 5: [5.0 * replicas]}
+
+
+def test_a_stop_with_partial_rollouts_ends_a_round_in_flight_at_shutdown(monkeypatch):
+    """A stop after step 1's rollout: step 2's round is running (it waits for weights that
+    never come); Shutdown, rung like any command, is read inside it and unwinds it."""
+    steps, _, engines = run_protocol(
+        monkeypatch, 2, 1, 0, 5, stop_after_round=1, partial_rollout=True
+    )
+    assert len(steps) == 2
+    for engine in engines:
+        assert engine.generated == [(0, 0), (1, 0), (2, 1)] and engine.segments[2] == [1]
