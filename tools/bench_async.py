@@ -10,7 +10,9 @@ samples) with 2 processes each, one after the other:
   so the placement alone separates them;
 - disaggregated, synchronous (async.max_staleness=0): rank 0 trains (TP 1), rank 1 generates;
 - one-step-off (async.max_staleness=1): the same ranks, step s's rollout generated while
-  step s - 1 trains.
+  step s - 1 trains;
+- apart_k2: async.max_staleness=2 with partial rollouts (each push read inside the
+  engine's round, its responses continued under the new weights).
 Reported per run: the median step time over the steps after the first (warm-up) and its
 ratio to colocated; for the apart runs also the trainer's wait for rollouts and for the
 push (`timing/rollout_s`, `timing/sync_s`). The ideal overlap the phases allow, from the
@@ -41,6 +43,9 @@ MODES = {
                  "parallel.tensor_model_parallel_size=1", "async.max_staleness=0"],
     "apart_k1": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
                  "parallel.tensor_model_parallel_size=1", "async.max_staleness=1"],
+    "apart_k2": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
+                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=2",
+                 "async.partial_rollout=true"],
 }  # fmt: skip
 SHAPES = {
     "demo": [],
@@ -58,6 +63,12 @@ def summary(rows: list[dict]) -> dict[str, float]:
     def median(key: str) -> float:
         return round(statistics.median(r[key] for r in measured), 3)
 
+    def mean(key: str) -> dict[str, float]:
+        """Apart runs only: staleness, and the mixed-version share with partial rollouts."""
+        if key not in measured[0]:
+            return {}
+        return {key.removeprefix("rollout/"): round(statistics.fmean(r[key] for r in measured), 3)}
+
     return {
         "step_s": median("timing/step_s"),
         "rollout_wait_s": median("timing/rollout_s"),
@@ -65,6 +76,8 @@ def summary(rows: list[dict]) -> dict[str, float]:
         "response_length": round(
             statistics.fmean(r["rollout/response_length/mean"] for r in measured), 1
         ),
+        **mean("rollout/staleness"),
+        **mean("rollout/mixed_version_share"),
     }
 
 

@@ -439,7 +439,9 @@ class VLLMEngine:
                     version = refresh.load()
                     for (i, j), st in states.items():
                         if st.finish_reason is None:
-                            if version != st.segments[-1][1]:  # (load may only evaluate)
+                            if version != st.segments[-1][1]:  # (a load may only evaluate)
+                                if st.segments[-1][0] == len(st.tokens):  # before any token
+                                    st.segments.pop()
                                 st.segments.append((len(st.tokens), version))
                             p = per_prompt[i].clone()
                             p.n, p.max_tokens = 1, per_prompt[i].max_tokens - len(st.tokens)

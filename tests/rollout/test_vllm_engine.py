@@ -178,6 +178,10 @@ def test_weights_arriving_mid_generation_continue_every_response_re_prefilled(
     assert [s.token_ids for s in resumed] == [s.token_ids for s in plain]
     assert all(s.segments == [(0, 0), (ABORT_CHECK_STEPS, 1)] for s in resumed)
     assert all(s.mixed_version and s.response_length == 24 for s in resumed)
+    # weights waiting at the first check, before any token: every token is the new version's
+    first = engine.generate(prompts, greedy, refresh=Refresh(engine, (1,), hf_weights))
+    assert [s.token_ids for s in first] == [s.token_ids for s in plain]
+    assert all(s.segments == [(0, 1)] and not s.mixed_version for s in first)
 
     sampling = SamplingConfig(n=2, max_new_tokens=24, ignore_eos=True)
     runs = [

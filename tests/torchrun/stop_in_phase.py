@@ -19,6 +19,9 @@ that point asks whether anyone wants to stop, as the launcher would on a SIGTERM
     gets: no stop file) and every other rank waits there until the request reaches it
     through the job's store (`StopRequest.share_through`): still generating, say.
 
+    --push-inside-rounds: partial rollouts made deterministic (`push_inside_rounds`).
+    Without --stop-at, no stop is asked.
+
 `install(stop_at, at_point)` sets the same hooks with another action at that point (the SLURM
 test holds the generation there until the scheduler's real signal arrives:
 tests/slurm/hold_generation/sitecustomize.py).
@@ -32,6 +35,7 @@ from collections.abc import Callable
 
 from megatron_rl.preemption import STOP, request_stop, stop_file
 from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.trainer import engine_worker
 from megatron_rl.trainer.engine_worker import EngineWorker
 from megatron_rl.trainer.runner import RLTrainer
 
@@ -116,6 +120,47 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
     VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
 
 
+class PushInsideRound:
+    """The `WeightRefresh` of an engine rank's round `step` (async.partial_rollout), holding
+    the generation at its second check (`ABORT_CHECK_STEPS` tokens in) until the push made
+    after the previous step's update has rung (or any command: a Shutdown), so that push is
+    read inside the round, as a generation longer than an update would make it happen."""
+
+    def __init__(self, inner, step: int, timeout_s: float = 120.0):
+        self.inner, self.step, self.checks, self.timeout_s = inner, step, 0, timeout_s
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def pending(self) -> bool:
+        self.checks += 1
+        deadline = time.time() + self.timeout_s
+        while self.checks == 2 and self.inner.version < self.step and not self.inner.pending():
+            if time.time() > deadline:
+                raise RuntimeError(f"round {self.step}: no push came in {self.timeout_s} s")
+            time.sleep(0.01)
+        return self.inner.pending()
+
+    def load(self) -> int:
+        return self.inner.load()
+
+
+def push_inside_rounds() -> None:
+    """Every PPO round but a launch's first (made with the weights it trains, nothing to
+    wait for) takes the next push inside its generation (`PushInsideRound`)."""
+    generate_round, first = engine_worker.generate_round, []
+
+    def holding(config, stage, step, *args, refresh=None, **kwargs):
+        if refresh is not None:
+            first.append(step)
+            if step > first[0]:
+                refresh = PushInsideRound(refresh, step)
+        return generate_round(config, stage, step, *args, refresh=refresh, **kwargs)
+
+    engine_worker.generate_round = holding
+
+
 def wait_for_request(timeout_s: float = 120.0) -> None:
     deadline = time.time() + timeout_s
     while not STOP.requested:
@@ -126,8 +171,9 @@ def wait_for_request(timeout_s: float = 120.0) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--stop-at", required=True)
+    p.add_argument("--stop-at")
     p.add_argument("--signal-rank", type=int)
+    p.add_argument("--push-inside-rounds", action="store_true")
     a, rest = p.parse_known_args()
 
     def at_point(rank: int) -> None:
@@ -142,7 +188,10 @@ def main() -> None:
         else:
             wait_for_request()
 
-    install(a.stop_at, at_point)
+    if a.stop_at:
+        install(a.stop_at, at_point)
+    if a.push_inside_rounds:
+        push_inside_rounds()
     # imported here: the SLURM test's sitecustomize imports this module before runpy runs
     # `-m megatron_rl.cli.train`, which must not find that module imported already
     from megatron_rl.cli import train

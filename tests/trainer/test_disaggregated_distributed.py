@@ -12,7 +12,8 @@ async.max_staleness 0:
   or between the trainer's mini-batches: every rank exits 0, the step's start is saved, and
   the resumed run logs what the uninterrupted one did, with the same final weights.
 async.max_staleness 1 (one-step-off): staleness 0 then 1, the first step the synchronous
-run's; a stop while the engine runs ahead, then a resume to the end.
+run's; a stop while the engine runs ahead, then a resume to the end. async.max_staleness 2
+with partial rollouts: a stop with responses in flight, a resume, the bound kept.
 """
 
 from __future__ import annotations
@@ -214,6 +215,41 @@ def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
     assert staleness(run) == [0, 0, 1]
     got, want = rows(run), rows(one_step_off)
     assert got[:3] == want[:3] and len(got) == len(want)
+
+
+def test_partial_rollouts_take_pushes_inside_rounds_stop_and_resume(
+    tiny_model_dir, eval_prompts, tmp_path
+):
+    """async.max_staleness 2 with partial rollouts, each round after a launch's first held
+    at its second engine check until the next push comes (`--push-inside-rounds`: a
+    generation longer than an update, made deterministic). A stop between step 2's
+    mini-batches, step 3's round waiting inside its generation: Shutdown is read there,
+    every rank exits 0, step 1 is saved. The resume regenerates step 2 with the weights it
+    trains (staleness 0, one version) and step 3 starts under step 2's weights and ends under
+    step 3's: staleness 1 and mixed-version responses, logged by share; evaluations at
+    their steps."""
+    run = tmp_path / "run"
+    overrides = [
+        "--config", "examples/tiny/ppo.yaml", f"trainer.output_dir={run}",
+        *ppo_overrides(tiny_model_dir, eval_prompts), *DISAGGREGATED,
+        "async.max_staleness=2", "async.partial_rollout=true",
+    ]  # fmt: skip
+    stop = tmp_path / "stop"
+    first = run_torchrun(
+        "tests.torchrun.stop_in_phase",
+        ["--stop-at", "train:2:train/mini_batch", "--push-inside-rounds", *overrides],
+        env={STOP_FILE_ENV: str(stop)},
+        timeout=400,
+    ).output
+    assert "train step 2 aborted in train/mini_batch" in first, first[-4000:]
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    stop.unlink()
+    run_torchrun("tests.torchrun.stop_in_phase", ["--push-inside-rounds", *overrides], timeout=400)
+    assert staleness(run) == [0, 0, 1]
+    shares = [r["rollout/mixed_version_share"] for r in metrics(run)]
+    assert shares[:2] == [0.0, 0.0] and 0.0 < shares[2] <= 1.0, shares
+    evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals[-4:] == [2, 2, 3, 3], evals
 
 
 def test_two_engine_ranks_form_one_tensor_parallel_engine(tiny_model_dir, eval_prompts, tmp_path):
