@@ -65,12 +65,31 @@ def _device(group: dist.ProcessGroup) -> torch.device:
 
 def send_object(group: dist.ProcessGroup, obj: object, dst: int, tag: int = 0) -> None:
     """Send `obj` to rank `dst` of `group` (which calls `recv_object`): its pickled length,
-    then its bytes."""
+    then its bytes; returns once received."""
+    post_object(group, obj, dst, tag).wait()
+
+
+class Posted:
+    """A `post_object` under way: `wait()` returns once the receiver has it."""
+
+    def __init__(self, works: list, tensors: tuple):
+        self.works, self.tensors = works, tensors  # the tensors live until the sends end
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def post_object(group: dist.ProcessGroup, obj: object, dst: int, tag: int = 0) -> Posted:
+    """`send_object` without waiting for the receive (a gloo send waits for it): the sends
+    of one sender to one receiver arrive in the order posted, so the receiver's
+    `recv_object` calls take them in that order whenever it makes them."""
     payload = pickle.dumps(obj)
     device = _device(group)
-    group.send([torch.tensor([len(payload)], dtype=torch.int64, device=device)], dst, tag).wait()
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    group.send([data], dst, tag).wait()
+    works = [group.send([length], dst, tag), group.send([data], dst, tag)]
+    return Posted(works, (length, data))
 
 
 def recv_object(group: dist.ProcessGroup, src: int, tag: int = 0) -> object:

@@ -26,8 +26,10 @@ At k = 1 the engine makes step r + 1's while step r trains (one-step-off).
 Every command is one ring of the *doorbell* (a counter in the job's store, DOORBELL_KEY) and
 one `Ready` from each replica: an engine sends `Ready` on the stream just before it reads a
 command, and the trainers, having rung, receive from each replica until its `Ready` (keeping
-the `Rated` answers that come first) before they send the command. A gloo send waits for its
-receive, so this is what keeps both sides from waiting on each other whatever the timing.
+the `Rated` answers that come first) before they send the command, so no command waits on
+an engine that waits on the trainers, whatever the timing. An engine posts its answers
+without waiting for them to be received (`post_object`: a gloo send would wait), so it runs
+as many rounds ahead as the admission rule allows.
 An engine reads a command when it must wait for a version; with `async.partial_rollout` also
 as soon as it sees the bell (between rounds, and inside a round every few engine steps: the
 round then goes on under the new weights, `VLLMEngine.generate(refresh=...)`), which is what

@@ -22,7 +22,7 @@ from megatron_rl.parallel.placement import Placement
 from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards.pool import make_scoring_pool
 from megatron_rl.rollout.shm import ShmRecord
-from megatron_rl.sync.weight_push import broadcast_object, receive_weights, send_object
+from megatron_rl.sync.weight_push import broadcast_object, post_object, receive_weights
 from megatron_rl.sync.weight_sync import checked
 from megatron_rl.trainer.disaggregated import (
     DOORBELL_KEY,
@@ -83,6 +83,9 @@ class EngineWorker:
         self.version = 0
         """The policy version the engine holds: the number of updates behind its weights."""
         self.store, self.commands_read = store, 0
+        self.posted = []
+        """Answers sent and maybe not yet received: the engine goes on meanwhile, so it can
+        run as many rounds ahead as the admission rule lets it."""
         self.partial_rollout = c.async_.partial_rollout
         self.stream, self.bridge = cross_role_groups(placement, store, rank)
 
@@ -111,7 +114,12 @@ class EngineWorker:
         """The next command, once trainer rank 0 knows this replica listens (`Ready`)."""
         self.answer(Ready(self.replica))
         self.commands_read += 1
-        return broadcast_object(self.stream, None, root=0)
+        command = broadcast_object(self.stream, None, root=0)
+        # trainer rank 0 sends a command only once it has received every answer up to Ready
+        for posted in self.posted:
+            posted.wait()
+        self.posted.clear()
+        return command
 
     def weights_or_evaluate(self, command: Weights | Evaluate) -> None:
         if isinstance(command, Weights):
@@ -160,9 +168,10 @@ class EngineWorker:
         return self.version
 
     def answer(self, obj) -> None:
-        """To trainer rank 0, from the replica's first rank (the others made the same)."""
+        """To trainer rank 0, from the replica's first rank (the others made the same),
+        without waiting for it to be received (`posted`)."""
         if self.leader:
-            send_object(self.stream, obj, dst=0)
+            self.posted.append(post_object(self.stream, obj, dst=0))
 
     def stop_requested(self) -> bool:
         """A stop request on any rank of this replica (its ranks run one vLLM engine in

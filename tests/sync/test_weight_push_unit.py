@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_rl.sync.weight_push import (
     bridge_group,
     broadcast_object,
+    post_object,
     push_weights,
     receive_weights,
     recv_object,
@@ -129,6 +130,25 @@ def test_objects_sent_to_rank_0_arrive_whole_and_in_order_on_a_gloo_stream():
         [(2, 0, "x" * 2000), (2, 1, "x" * 2000)],
         [(1, 0, "x" * 1000), (1, 1, "x" * 1000)],
     ]
+
+
+def test_posted_objects_leave_before_they_are_received_and_arrive_in_order():
+    """An engine rank's answers (`post_object`): rank 1 posts three, then broadcasts, and
+    rank 0 receives them only after that broadcast: a send that waited for its receive
+    would never reach the broadcast (what `send_object` does, and the engines did)."""
+
+    def work(rank, group):
+        if rank == 1:
+            posted = [post_object(group, (i, "y" * 10**i), dst=0) for i in range(1, 4)]
+            broadcast_object(group, "all posted", root=1)
+            for p in posted:
+                p.wait()
+            return None
+        said = broadcast_object(group, None, root=1)
+        return said, [recv_object(group, src=1) for _ in range(3)]
+
+    results = run_bridge(2, work, name="stream", backend="gloo")
+    assert results[0] == ("all posted", [(i, "y" * 10**i) for i in range(1, 4)])
 
 
 def test_a_backend_other_than_gloo_or_nccl_is_refused():

@@ -27,16 +27,24 @@ TIMEOUT_S = 10.0
 
 
 class Channel:
-    """One direction between two threads: `send` returns once `recv` took the object."""
+    """One direction between two threads: `send` returns once `recv` took the object, as a
+    gloo send does; `post` at once, returning what waits for that (`post_object`)."""
 
     def __init__(self):
         self.q = queue.Queue()
 
     def send(self, obj) -> None:
+        self.post(obj).wait()
+
+    def post(self, obj) -> SimpleNamespace:
         taken = threading.Event()
         self.q.put((obj, taken))
-        if not taken.wait(TIMEOUT_S):
-            raise TimeoutError(f"nobody received {obj!r}")
+
+        def wait() -> None:
+            if not taken.wait(TIMEOUT_S):
+                raise TimeoutError(f"nobody received {obj!r}")
+
+        return SimpleNamespace(wait=wait)
 
     def recv(self):
         try:
@@ -69,6 +77,7 @@ class Engine(EngineWorker):
         self.stream = self.bridge = None  # the channels below stand in for both groups
         self.leader, self.replica_group = True, None  # one rank per replica here
         self.store, self.commands_read, self.partial_rollout = store, 0, partial_rollout
+        self.posted = []
         self.to_engine, self.to_trainer = Channel(), Channel()
         self.abort_round = abort_round
         self.generated: list[tuple[int, int]] = []  # (round, version it started with)
@@ -117,8 +126,8 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     def engine_broadcast(group, obj, root):
         return current.engine.to_engine.recv()
 
-    def engine_send(group, obj, dst):
-        current.engine.to_trainer.send(obj)
+    def engine_post(group, obj, dst):
+        return current.engine.to_trainer.post(obj)
 
     def trainer_broadcast(group, obj, root):
         for engine in engines:
@@ -130,7 +139,7 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
             engine.to_engine.send(version)
 
     monkeypatch.setattr(engine_worker, "broadcast_object", engine_broadcast)
-    monkeypatch.setattr(engine_worker, "send_object", engine_send)
+    monkeypatch.setattr(engine_worker, "post_object", engine_post)
     monkeypatch.setattr(disaggregated, "broadcast_object", trainer_broadcast)
     monkeypatch.setattr(disaggregated, "push_weights", trainer_push)
     monkeypatch.setattr(
@@ -210,6 +219,21 @@ def test_one_step_off_rounds_run_one_version_behind_and_never_more(monkeypatch, 
     for engine in engines:
         # round 0 with the starting weights, round s with those after s - 1 updates
         assert engine.generated == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
+    assert evals == {2: [2.0 * replicas], 5: [5.0 * replicas]}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_answers_do_not_wait_to_be_received_so_engines_run_max_staleness_rounds_ahead(
+    monkeypatch, replicas
+):
+    """At max_staleness 2 (partial rollouts off, as only this test can: the rounds here are
+    instant) the engines generate rounds 0-2 with the starting weights before the trainers
+    take round 0, since their answers are posted, not waited for; from then each round is
+    two updates behind the step that trains it, never more."""
+    steps, evals, engines = run_protocol(monkeypatch, replicas, 2, 0, 5, evaluate_at={2, 5})
+    assert [lag for lag, _ in steps] == [0, 1, 2, 2, 2]
+    for engine in engines:
+        assert engine.generated == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 2)]
     assert evals == {2: [2.0 * replicas], 5: [5.0 * replicas]}
 
 
