@@ -120,4 +120,5 @@ def test_bench_async_times_each_placement_against_colocated(tmp_path):
         assert result[mode]["step_s"] > 0 and result[mode]["response_length"] > 0
     want = round(result["colocated"]["step_s"] / result["apart_k1"]["step_s"], 3)
     assert result["apart_k1"]["ratio_to_colocated"] == want
+    assert result["apart_k1"]["staleness"] == 1.0 and "staleness" not in result["colocated"]
     assert "ideal_ratio_k1_over_k0" not in result  # it needs the synchronous apart run
