@@ -36,17 +36,16 @@ from megatron_rl.launch import run_torchrun
 from tools.bench_common import record
 
 RECIPE = "examples/tiny/vapo_count_on.yaml"
+APART = ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
+         "parallel.tensor_model_parallel_size=1"]  # fmt: skip
+"""One trainer rank (TP 1) and one engine rank."""
 MODES = {
     "colocated": [],
     "colocated_dp2": ["parallel.tensor_model_parallel_size=1"],
-    "apart_k0": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
-                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=0"],
-    "apart_k1": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
-                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=1"],
-    "apart_k2": ["rollout.placement=disaggregated", "rollout.engine_ranks=1",
-                 "parallel.tensor_model_parallel_size=1", "async.max_staleness=2",
-                 "async.partial_rollout=true"],
-}  # fmt: skip
+    "apart_k0": [*APART, "async.max_staleness=0"],
+    "apart_k1": [*APART, "async.max_staleness=1"],
+    "apart_k2": [*APART, "async.max_staleness=2", "async.partial_rollout=true"],
+}
 SHAPES = {
     "demo": [],
     # 4 prompts x 32 samples (the demo's 128 sequences), long responses: generation-bound
