@@ -21,8 +21,10 @@ The model, all of it stated in the output:
   apart, a push of the bf16 weights at `--push-gb-s`;
 - a step: colocated gen(all GPUs) + train(all) + switch; apart, synchronous,
   gen(E) + train(G - E) + push; one step off, max(gen(E), train(G - E) + push), its steady
-  state. E (GPUs that generate) is searched over multiples of the engine size that leave
-  the trainers a multiple of TP x PP.
+  state; fully async with partial rollouts (`simulate_partial`), the engines generate all
+  batches as one stream (no tail per step) and pay each push plus a re-prefill of their
+  running sequences. E (GPUs that generate) is searched over multiples of the engine size
+  that leave the trainers a multiple of TP x PP.
 """
 
 from __future__ import annotations
@@ -142,6 +144,44 @@ def simulate(
     return {"colocated": (colocated, gpus), **best, "phases": (all_gen, all_train)}
 
 
+def simulate_partial(
+    batches: list[list[int]],
+    gpus: int,
+    engine: Engine,
+    trainer_unit: int,
+    prompt_tokens: int,
+    passes: float,
+    hw: Hardware,
+) -> tuple[float, int]:
+    """Seconds per step, and the engines' GPUs, of fully async RL with partial rollouts
+    (AReaL's interruptible generation; verl's fully async recipe), at its best split.
+
+    The engines never wait for a round's tail: the next step's prompts fill the batch slots
+    the tail leaves idle, and a push reaches them mid-generation. So each engine works
+    through one stream of all `batches` (its tail paid once, not once a step), and each
+    step's push costs the engines the push itself plus the re-prefill of every running
+    sequence (its KV cache was made by the old weights): a full cache's worth of tokens,
+    `concurrency x (prompt + mean response)`, prefilled at `hw.mfu`. The trainers train and
+    push; the step is the slower of the two sides, their steady state when the staleness
+    bound lets the engines run ahead."""
+    n = len(batches)
+    lengths = [length for batch in batches for length in batch]
+    tokens = sum(lengths) / n + prompt_tokens * len(lengths) / n
+    push_s = 2 * engine.params / hw.push_bytes_s
+    mean_context = prompt_tokens + sum(lengths) / len(lengths)
+    cached = engine.concurrency(hw, mean_context) * mean_context
+    reprefill_s = 2 * engine.params * cached / (engine.tp * hw.peak_flops * hw.mfu)
+    best = (math.inf, 0)
+    for gen_gpus in range(engine.tp, gpus, engine.tp):
+        train_gpus = gpus - gen_gpus
+        if train_gpus % trainer_unit:
+            continue
+        gen = generation_s(lengths, gen_gpus, engine, prompt_tokens, hw) / n
+        train = training_s(tokens, engine.params, passes, train_gpus, hw)
+        best = min(best, (max(gen + push_s + reprefill_s, train + push_s), gen_gpus))
+    return best
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="examples/qwen2.5-32b/vapo.yaml")
@@ -175,17 +215,26 @@ def main(argv=None) -> dict:
     passes = 6 * trained * c.actor.ppo_epochs + 2 * forwards
     rng = random.Random(a.seed)
     n = r.rollout_batch_size * r.n_samples_per_prompt
-    runs = []
-    for _ in range(a.batches):
-        lengths = [
+    batches = [
+        [
             min(
                 r.max_new_tokens,
                 max(1, round(rng.lognormvariate(math.log(a.median_response), a.sigma))),
             )
             for _ in range(n)
         ]
-        runs.append(simulate(lengths, a.gpus, engine, trainer_unit, a.prompt_tokens, passes, hw))
+        for _ in range(a.batches)
+    ]
+    runs = [
+        simulate(lengths, a.gpus, engine, trainer_unit, a.prompt_tokens, passes, hw)
+        for lengths in batches
+    ]
     phases = [run.pop("phases") for run in runs]
+    partial = simulate_partial(
+        batches, a.gpus, engine, trainer_unit, a.prompt_tokens, passes, hw
+    )
+    for run in runs:  # one stream over every batch: the same value for each
+        run["fully_async_partial"] = partial
     modes = {}
     for mode in runs[0]:
         seconds = sum(run[mode][0] for run in runs) / len(runs)

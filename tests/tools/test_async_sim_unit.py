@@ -3,7 +3,15 @@ done by hand, and the modes' relations that hold whatever the inputs."""
 
 import pytest
 
-from tools.async_sim import Engine, Hardware, generation_s, main, simulate, training_s
+from tools.async_sim import (
+    Engine,
+    Hardware,
+    generation_s,
+    main,
+    simulate,
+    simulate_partial,
+    training_s,
+)
 
 HW = Hardware(hbm_efficiency=1.0)
 
@@ -45,9 +53,28 @@ def test_one_step_off_is_never_slower_than_synchronous_apart():
     assert (16 - modes["sync"][1]) % 4 == 0 and (16 - modes["one_step_off"][1]) % 4 == 0
 
 
+def test_partial_rollouts_pay_the_tail_once_per_stream_and_a_reprefill_per_push():
+    """Two steps of 64 short responses and one of 1000 tokens on one engine (no KV cost):
+    streamed, both steps' sequences run together, so the 1000-step tail is paid once for two
+    steps; each push costs the push and a re-prefill of a full batch (256 sequences, of the
+    mean context)."""
+    engine = Engine(params=10**9, kv_bytes_per_token=0, tp=1)
+    batch = [10] * 64 + [1000]
+    step, s = simulate_partial([batch, batch], 2, engine, 1, 0, passes=1e-9, hw=HW)
+    assert s == 1  # one GPU generates, one trains
+    mean_context = sum(batch) / len(batch)
+    reprefill = 2e9 * 256 * mean_context / (HW.peak_flops * HW.mfu)
+    push = 2e9 / HW.push_bytes_s
+    assert step == pytest.approx(1000 / 2 * 2e9 / HW.hbm_bytes_s + push + reprefill, rel=1e-9)
+    # one-step-off pays the tail every step
+    whole = simulate(batch, 2, engine, 1, 0, passes=1e-9, hw=HW)["one_step_off"][0]
+    assert whole == pytest.approx(1000 * 2e9 / HW.hbm_bytes_s, rel=1e-6)
+
+
 def test_the_32b_recipe_prints_a_labelled_simulation(capsys):
     out = main(["--batches", "1", "--gpus", "32", "--median-response", "500"])
     assert out["what"].startswith("a simulation") and out["sequences_per_step"] == 512 * 16
     assert out["colocated"]["speedup_vs_colocated"] == 1.0
     assert out["one_step_off"]["step_s"] <= out["sync"]["step_s"]
+    assert out["fully_async_partial"]["speedup_vs_colocated"] > 0
     assert '"what": "a simulation' in capsys.readouterr().out

@@ -107,12 +107,14 @@ def test_bench_entry_lists_and_refuses_unknown_names(capsys):
 @pytest.mark.e2e  # two short training runs: ~2 min, the journeys' tier
 def test_bench_async_times_each_placement_against_colocated(tmp_path):
     """The baseline and one-step-off apart (apart_k0's runs are the disaggregated e2e
-    tests'); each mode's ratio is the baseline's step over its own."""
+    tests'); each mode's ratio is the baseline's step over its own; the --to-bar runs
+    evaluate."""
     from tools.bench_async import main
 
     out = tmp_path / "results.jsonl"
     modes = "colocated,apart_k1"
-    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--modes", modes, "--out", str(out)])
+    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--modes", modes, "--out", str(out),
+          "--to-bar", "--bar-steps", "2", "--eval-interval", "1"])  # fmt: skip
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
     assert result["model"] == "fresh tiny random" and result["steps_measured"] == 2
@@ -122,3 +124,10 @@ def test_bench_async_times_each_placement_against_colocated(tmp_path):
     assert result["apart_k1"]["ratio_to_colocated"] == want
     assert result["apart_k1"]["staleness"] == 1.0 and "staleness" not in result["colocated"]
     assert "ideal_ratio_k1_over_k0" not in result  # it needs the synchronous apart run
+    # --to-bar: the recipe's value pretraining and an evaluation after each of 2 steps; a
+    # random model answers about 1% right, far from the bar
+    assert result["to_bar"] == {"min_gain": 0.25, "steps": 2, "seed": 0, "eval_interval": 1}
+    for mode in ("colocated", "apart_k1"):
+        assert 0 <= result[mode]["accuracy_before"] < 0.1
+        assert 0 <= result[mode]["accuracy_end"] < 0.1
+        assert result[mode]["steps_to_bar"] is None and result[mode]["time_to_bar_s"] is None

@@ -20,3 +20,23 @@ def test_async_summary_takes_medians_after_the_warm_up_and_bounds_the_overlap():
              for i, r in enumerate(rows)]  # fmt: skip
     got = summary(apart)
     assert got["staleness"] == round(2 / 3, 3) and got["mixed_version_share"] == 0.5
+
+
+def test_time_to_bar_sums_the_steps_up_to_the_first_evaluation_at_the_bar():
+    from tools.bench_async import to_bar
+
+    rows = [
+        {"step": 1, "stage": "value_pretrain"},  # synchronous in every mode: left out
+        {"step": 0, "stage": "eval", "eval/accuracy": 0.4},
+        {"step": 1, "stage": "train", "timing/step_s": 2.0},
+        {"step": 2, "stage": "train", "timing/step_s": 3.0, "eval/accuracy": 0.6},
+        {"step": 3, "stage": "train", "timing/step_s": 2.0},
+        {"step": 4, "stage": "train", "timing/step_s": 4.0, "eval/accuracy": 0.65},
+        {"step": 5, "stage": "train", "timing/step_s": 2.0},
+        {"step": 6, "stage": "train", "timing/step_s": 4.0, "eval/accuracy": 0.62},
+    ]
+    got = to_bar(rows, min_gain=0.25)
+    assert got == {"accuracy_before": 0.4, "accuracy_end": 0.62, "steps_to_bar": 4,
+                   "time_to_bar_s": 11.0}  # fmt: skip
+    never = to_bar(rows, min_gain=0.3)
+    assert never["steps_to_bar"] is None and never["time_to_bar_s"] is None
