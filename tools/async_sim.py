@@ -230,9 +230,7 @@ def main(argv=None) -> dict:
         for lengths in batches
     ]
     phases = [run.pop("phases") for run in runs]
-    partial = simulate_partial(
-        batches, a.gpus, engine, trainer_unit, a.prompt_tokens, passes, hw
-    )
+    partial = simulate_partial(batches, a.gpus, engine, trainer_unit, a.prompt_tokens, passes, hw)
     for run in runs:  # one stream over every batch: the same value for each
         run["fully_async_partial"] = partial
     modes = {}

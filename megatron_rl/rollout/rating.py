@@ -96,6 +96,12 @@ def request_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") % 2**31
 
 
+def chunk_seeds(seed: int, prompts, chunk: int) -> list[int]:
+    """The request seed of each prompt record of a rollout's `chunk`-th engine call: from
+    the rollout's seed, the prompt's row, the chunk and its place in it."""
+    return [request_seed(seed, p.row, chunk, i) for i, p in enumerate(prompts)]
+
+
 def reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
     """What the reward functions score: each sample (its `prompt_index` into `prompts`, the
     prompt records) with its decoded response `texts`. The rollout and the evaluation
@@ -177,9 +183,7 @@ def generate_samples_with_rating(
             batch = prompts.take(k)
             t0 = time.time()
             ids = [p.prompt_token_ids for p in batch]
-            seeds = None
-            if seed is not None:
-                seeds = [request_seed(seed, p.row, num_chunks, i) for i, p in enumerate(batch)]
+            seeds = None if seed is None else chunk_seeds(seed, batch, num_chunks)
             samples = engine.generate(ids, sampling, seeds, **in_engine)
             timeline.append(("generate", num_chunks, t0, time.time()))
             texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)

@@ -119,6 +119,10 @@ class WeightRefresh(Protocol):
         """Load it into the engine (`update_weights`; no request is running then: the engine
         may also be used meanwhile, e.g. to evaluate) and return the version held."""
 
+    # Optional: `next_round() -> (prompts, seeds) | None`, asked at the same checks while no
+    # round waits ahead: the next call's prompts and seeds when it may start now (rounds
+    # interleaved: `VLLMEngine.generate`).
+
 
 @dataclass
 class _Partial:
@@ -128,6 +132,31 @@ class _Partial:
     logprobs: list[float]
     segments: list[tuple[int, int]]
     finish_reason: str | None = None
+
+
+@dataclass
+class _Round:
+    """The requests of one resumable `generate` call: each response so far, keyed
+    (prompt index, sample index), and what continuing them needs."""
+
+    prompts: list[list[int]]
+    params: list
+    """vLLM SamplingParams, one per prompt."""
+    sampling: SamplingConfig
+    seeds: list[int] | None
+    states: dict[tuple[int, int], _Partial]
+    running: bool = False
+    """Whether its unfinished responses have requests in vLLM (False once aborted)."""
+
+    def unfinished(self) -> bool:
+        return any(st.finish_reason is None for st in self.states.values())
+
+    def same(self, prompts, sampling: SamplingConfig, seeds) -> bool:
+        return (self.prompts, self.sampling, self.seeds) == (
+            [list(p) for p in prompts],
+            sampling,
+            None if seeds is None else list(seeds),
+        )
 
 
 def continuation_seed(seed: int | None, sample_index: int, generated: int) -> int | None:
@@ -227,6 +256,13 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = True
         self.sleep_mode = not on_cpu
         self.awake: set[str] = set(ENGINE_MEMORY)
+        self._requests: dict[str, tuple[_Round, int, int | None]] = {}
+        """Resumable requests in vLLM: id -> (round, prompt index, sample index or None for
+        the request's n samples)."""
+        self._ahead: _Round | None = None
+        """The round admitted while the previous one generated (`next_round`): its requests
+        run on in vLLM after that call returns, until the next call adopts them or any other
+        use of the engine pauses them (`_park`)."""
         try:
             self.llm = LLM(**kwargs)
         except RuntimeError as e:
@@ -250,6 +286,7 @@ class VLLMEngine:
         to host memory, level 2 drops them (for when a weight sync follows the wake-up)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._park()
         if self.sleep_mode:
             self.llm.sleep(level=level)
         self.awake = set()
@@ -281,6 +318,7 @@ class VLLMEngine:
         old weights."""
 
         self._require_awake("weights", use="take weights")
+        self._park()
 
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=weights)
@@ -306,6 +344,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self._require_awake(*ENGINE_MEMORY, use="score")
+        self._park()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
@@ -338,27 +377,27 @@ class VLLMEngine:
         request, keeping what it generated, loads them, and continues each unfinished
         response from its prompt and tokens so far (re-prefilled: every later token is the
         new policy's, sampled and log-probbed under it). Each Sample's `segments` say which
-        version made which tokens."""
+        version made which tokens. Rounds interleaved: where `refresh` has `next_round`, the
+        round it names is admitted at a check (its requests fill the batch slots this one's
+        tail leaves) and runs on after this call returns; the next call, which must ask for
+        those prompts and seeds, adopts it (any other use of the engine pauses it first)."""
         if not prompts:
             return []
         self._require_awake(*ENGINE_MEMORY, use="generate")
-        params = sampling.to_vllm()
-        if seeds is not None:
-            if len(seeds) != len(prompts):
-                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-            params = [params.clone() for _ in prompts]
-            for p, seed in zip(params, seeds, strict=True):
-                p.seed = seed
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         if refresh is not None:
-            states = self._generate_resumable(prompts, params, should_stop, refresh)
+            states = self._generate_resumable(prompts, sampling, seeds, should_stop, refresh)
             return [
                 Sample(i, j, list(prompts[i]), st.tokens, st.logprobs, st.finish_reason,
                        st.segments)
                 for (i, j), st in sorted(states.items())
             ]  # fmt: skip
+        self._park()
+        params = self._request_params(sampling, seeds, len(prompts))
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
         if should_stop is None:
             outputs = self.llm.generate(inputs, params, use_tqdm=False)
@@ -400,64 +439,132 @@ class VLLMEngine:
             steps += 1
         return sorted(outputs, key=lambda out: int(out.request_id))  # as `_run_engine` does
 
-    def _generate_resumable(
-        self, prompts, params, should_stop, refresh: WeightRefresh
-    ) -> dict[tuple[int, int], _Partial]:
-        """`_generate_abortable` with per-step (DELTA) outputs, so that a weight refresh can
-        abort every request without losing its tokens and continue it: (prompt index,
-        sample index) -> the response."""
-        # why: vLLM is optional and slow to import: only the vLLM engine needs it
-        from vllm.sampling_params import RequestOutputKind
+    @staticmethod
+    def _request_params(sampling: SamplingConfig, seeds, n_prompts: int):
+        """vLLM's SamplingParams: one for every prompt, or one each with its seed."""
+        params = sampling.to_vllm()
+        if seeds is None:
+            return params
+        params = [params.clone() for _ in range(n_prompts)]
+        for p, seed in zip(params, seeds, strict=True):
+            p.seed = seed
+        return params
 
-        engine = self.llm.llm_engine
+    def _new_round(self, prompts, sampling: SamplingConfig, seeds, version: int) -> _Round:
+        params = self._request_params(sampling, seeds, len(prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         states = {
-            (i, j): _Partial([], [], [(0, refresh.version)])
+            (i, j): _Partial([], [], [(0, version)])
             for i, p in enumerate(per_prompt)
             for j in range(p.n)
         }
-        owner: dict[str, tuple[int, int | None]] = {}
-        """request id -> (prompt index, its sample index, or None: the request's n samples)."""
+        seeds = None if seeds is None else list(seeds)
+        rnd = _Round([list(p) for p in prompts], per_prompt, sampling, seeds, states)
+        for i, (prompt, p) in enumerate(zip(rnd.prompts, per_prompt, strict=True)):
+            self._submit(rnd, i, None, p, prompt)
+        rnd.running = True
+        return rnd
 
-        def submit(i: int, j: int | None, p, prompt: list[int]) -> None:
-            p = p.clone()
-            p.output_kind = RequestOutputKind.DELTA
-            rid = str(next(self.llm.request_counter))
-            owner[rid] = (i, j)
-            engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+    def _submit(self, rnd: _Round, i: int, j: int | None, p, prompt: list[int]) -> None:
+        """Add a request for prompt `i` (sample `j`, or all n), its outputs per step (DELTA),
+        so that an abort keeps what it generated."""
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
+        from vllm.sampling_params import RequestOutputKind
 
-        for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
-            submit(i, None, p, list(prompt))
+        p = p.clone()
+        p.output_kind = RequestOutputKind.DELTA
+        rid = str(next(self.llm.request_counter))
+        self._requests[rid] = (rnd, i, j)
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+
+    def _resume(self, rnd: _Round, version: int) -> None:
+        """Continue every unfinished response of an aborted round from its prompt and tokens
+        so far (re-prefilled), a new segment where `version` is not the one that made its
+        last tokens."""
+        for (i, j), st in rnd.states.items():
+            if st.finish_reason is None:
+                if version != st.segments[-1][1]:  # (a load may only evaluate)
+                    if st.segments[-1][0] == len(st.tokens):  # before any token
+                        st.segments.pop()
+                    st.segments.append((len(st.tokens), version))
+                p = rnd.params[i].clone()
+                p.n, p.max_tokens = 1, rnd.params[i].max_tokens - len(st.tokens)
+                p.seed = continuation_seed(rnd.params[i].seed, j, len(st.tokens))
+                self._submit(rnd, i, j, p, [*rnd.prompts[i], *st.tokens])
+        rnd.running = True
+
+    def _interrupt(self, *rounds: _Round | None) -> None:
+        """Abort every request, keeping what each response generated."""
+        self._abort_all()
+        self._requests.clear()
+        for rnd in rounds:
+            if rnd is not None:
+                rnd.running = False
+
+    def _park(self) -> None:
+        """Pause the round admitted ahead (its requests aborted, its tokens kept) before the
+        engine is used otherwise: new weights, an evaluation, a score, sleep."""
+        if self._ahead is not None and self._ahead.running:
+            self._interrupt(self._ahead)
+
+    def drop_ahead(self) -> None:
+        """Forget the round admitted ahead (its run of rounds ended: a stop, a shutdown)."""
+        self._park()
+        self._ahead = None
+
+    def _generate_resumable(
+        self, prompts, sampling, seeds, should_stop, refresh: WeightRefresh
+    ) -> dict[tuple[int, int], _Partial]:
+        """`_generate_abortable` with per-step (DELTA) outputs, so that a weight refresh can
+        abort every request without losing its tokens and continue it, and with the next
+        round admitted ahead where `refresh.next_round` allows: (prompt index, sample
+        index) -> the response."""
+        if self._ahead is not None and not self._ahead.same(prompts, sampling, seeds):
+            raise RuntimeError(
+                "the round admitted ahead (next_round) is not the one generated next: its "
+                "prompts or seeds differ (drop_ahead when a run of rounds ends)"
+            )
+        current, self._ahead = self._ahead, None
+        if current is None:
+            current = self._new_round(prompts, sampling, seeds, refresh.version)
+        elif not current.running:
+            self._resume(current, refresh.version)
+        next_round = getattr(refresh, "next_round", None)
         steps = 0
-        while engine.has_unfinished_requests():
+        while current.unfinished():
             if steps % ABORT_CHECK_STEPS == 0:
                 if should_stop is not None and self._any_engine_rank(should_stop()):
-                    self._abort_all()
+                    self._interrupt(current, self._ahead)
+                    self._ahead = None
                     raise StepAborted("rollout/generate")
                 if self._any_engine_rank(refresh.pending()):
-                    self._abort_all()
+                    self._interrupt(current, self._ahead)
                     version = refresh.load()
-                    for (i, j), st in states.items():
-                        if st.finish_reason is None:
-                            if version != st.segments[-1][1]:  # (a load may only evaluate)
-                                if st.segments[-1][0] == len(st.tokens):  # before any token
-                                    st.segments.pop()
-                                st.segments.append((len(st.tokens), version))
-                            p = per_prompt[i].clone()
-                            p.n, p.max_tokens = 1, per_prompt[i].max_tokens - len(st.tokens)
-                            p.seed = continuation_seed(per_prompt[i].seed, j, len(st.tokens))
-                            submit(i, j, p, [*prompts[i], *st.tokens])
-            for out in engine.step():
-                i, j = owner[out.request_id]
+                    for rnd in (current, self._ahead):
+                        if rnd is not None:
+                            self._resume(rnd, version)
+                if self._ahead is None and next_round is not None:
+                    admitted = next_round()
+                    if admitted is not None:
+                        ahead_prompts, ahead_seeds = admitted
+                        self._ahead = self._new_round(
+                            ahead_prompts, sampling, ahead_seeds, refresh.version
+                        )
+            if not self.llm.llm_engine.has_unfinished_requests():
+                raise RuntimeError("vLLM holds no request for the responses still unfinished")
+            for out in self.llm.llm_engine.step():
+                rnd, i, j = self._requests[out.request_id]
+                if out.finished:
+                    del self._requests[out.request_id]
                 for c in out.outputs:
-                    st = states[(i, c.index if j is None else j)]
+                    st = rnd.states[(i, c.index if j is None else j)]
                     st.tokens += c.token_ids
                     st.logprobs += [
                         lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)
                     ]
                     st.finish_reason = c.finish_reason or st.finish_reason
             steps += 1
-        return states
+        return current.states
 
     def _abort_all(self) -> None:
         engine = self.llm.llm_engine

@@ -7,7 +7,9 @@ for the replica. Until told to shut down.
 
 With `async.partial_rollout` the worker is also its engine's `WeightRefresh`: asked inside a
 round whether the doorbell rang, it reads the command there (`load`), so new weights (or an
-evaluation, or Shutdown) reach it mid-generation."""
+evaluation, or Shutdown) reach it mid-generation; and asked for the next round
+(`next_round`), it names it as soon as the admission rule lets it start, so the engine
+generates it beside this round's tail (rounds interleaved)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.placement import Placement
 from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards.pool import make_scoring_pool
+from megatron_rl.rollout.rating import chunk_seeds
 from megatron_rl.rollout.shm import ShmRecord
+from megatron_rl.rollout.strategies import make_strategy
 from megatron_rl.sync.weight_push import broadcast_object, post_object, receive_weights
 from megatron_rl.sync.weight_sync import checked
 from megatron_rl.trainer.disaggregated import (
@@ -40,6 +44,7 @@ from megatron_rl.trainer.rounds import (
     build_engine,
     build_evaluator,
     generate_round,
+    round_seed,
 )
 
 
@@ -87,6 +92,20 @@ class EngineWorker:
         """Answers sent and maybe not yet received: the engine goes on meanwhile, so it can
         run as many rounds ahead as the admission rule lets it."""
         self.partial_rollout = c.async_.partial_rollout
+        rating, share = c.rollout.rating, c.rollout.rollout_batch_size // self.replicas
+        self.interleave = (
+            self.partial_rollout
+            and make_strategy(rating.strategy, rating.strategy_options).exact
+            and (rating.chunk_size or share) >= share
+        )
+        """Rounds interleaved where a round is one engine call of known prompts (a strategy
+        that keeps every group, one chunk): a filtering round's later draws depend on its
+        scores, so the next round's prompts are not known before it ends."""
+        self.run_of_rounds: Rounds | None = None
+        self.step = -1
+        """The round generating (within `run_of_rounds`)."""
+        self.admitted: dict[int, int] = {}
+        """Round -> the version held when it was admitted ahead (its head version)."""
         self.stream, self.bridge = cross_role_groups(placement, store, rank)
 
     def run(self) -> None:
@@ -135,6 +154,7 @@ class EngineWorker:
         waiting for weights and, with partial rollouts, whenever the doorbell rang. False
         when one was Shutdown."""
         self.prompts.load_state_dict(command.data)
+        self.run_of_rounds = command
         try:
             for step in range(command.step, command.end):
                 while self.version < step - command.max_staleness or (
@@ -142,12 +162,18 @@ class EngineWorker:
                 ):
                     if not self.obey():
                         return False
+                self.step = step
                 answer = self.generate("train", step)
                 self.answer(answer)
                 if answer.aborted:
                     break
         except EngineShutdown:
             return False
+        finally:
+            self.run_of_rounds = None
+            if self.interleave:  # a round admitted ahead of a stop is regenerated on resume
+                self.admitted.clear()
+                self.engine.drop_ahead()
         return True
 
     # WeightRefresh (`VLLMEngine.generate`), for partial rollouts
@@ -166,6 +192,27 @@ class EngineWorker:
             raise TypeError(f"engine rank: {command!r} inside a round")
         self.weights_or_evaluate(command)
         return self.version
+
+    def next_round(self) -> tuple[list[list[int]], list[int]] | None:
+        """The next round's prompts and request seeds, once the version held lets it start
+        (>= its step - max_staleness) and while no round waits ahead: what its own
+        `generate_round` will draw (the stream is put back) and ask the engine for."""
+        run, step = self.run_of_rounds, self.step + 1
+        if (
+            not self.interleave
+            or run is None
+            or step >= run.end
+            or step in self.admitted
+            or self.version < step - run.max_staleness
+        ):
+            return None
+        start = self.prompts.state_dict()
+        shard = DataParallelShard(self.prompts, self.replica, self.replicas)
+        batch = shard.take(self.config.rollout.rollout_batch_size // self.replicas)
+        self.prompts.load_state_dict(start)
+        self.admitted[step] = self.version
+        seeds = chunk_seeds(round_seed(self.config, "train", step), batch, chunk=0)
+        return [p.prompt_token_ids for p in batch], seeds
 
     def answer(self, obj) -> None:
         """To trainer rank 0, from the replica's first rank (the others made the same),
@@ -199,7 +246,9 @@ class EngineWorker:
         def stop() -> bool:  # inside one engine call: the engine agrees over its TP group
             return STOP.requested
 
-        start, head = self.prompts.state_dict(), self.version
+        # a round admitted ahead: its head version is the one held when it started
+        interleaved = step in self.admitted
+        start, head = self.prompts.state_dict(), self.admitted.pop(step, self.version)
         shard = DataParallelShard(self.prompts, self.replica, self.replicas)
         refresh = self if self.partial_rollout and stage == "train" else None
         try:
@@ -209,6 +258,8 @@ class EngineWorker:
             )  # fmt: skip
         except StepAborted as e:
             return Rated(self.replica, [], {}, start, e.phase, step, head)
+        if refresh is not None and self.interleave:
+            rollout.metrics["rollout/interleaved"] = float(interleaved)
         return Rated(
             self.replica, rollout.groups, rollout.metrics, self.prompts.state_dict(), None,
             step, head,

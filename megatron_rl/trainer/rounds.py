@@ -102,6 +102,11 @@ def build_evaluator(
     )
 
 
+def round_seed(config: TrainConfig, stage: str, step: int) -> int:
+    """The seed of `stage` step `step`'s rollout, its requests' seeds made from it."""
+    return request_seed(config.trainer.seed, STAGES[stage], step)
+
+
 def generate_round(
     config: TrainConfig,
     stage: str,
@@ -125,7 +130,7 @@ def generate_round(
         sampling_config(config),
         tokenizer,
         config.rollout.rating,
-        seed=request_seed(config.trainer.seed, STAGES[stage], step),
+        seed=round_seed(config, stage, step),
         should_stop=should_stop,
         stop_generation=stop_generation if engine.aborts_generation else None,
         refresh=refresh,

@@ -251,3 +251,52 @@ def test_each_token_keeps_the_log_prob_of_the_policy_that_sampled_it(
         assert_close(s.logprobs[:cut], under[0][:cut], LOGPROB)
         assert_close(s.logprobs[cut:], under[1][cut:], LOGPROB)
         assert (under[1][cut:] - under[0][cut:]).abs().max() > 1e-2  # the versions differ
+
+
+class Ahead(Refresh):
+    """A `Refresh` that, asked at its `at`-th check, names the next round (rounds
+    interleaved)."""
+
+    def __init__(self, engine, next_round, at, version=0):
+        super().__init__(engine, (), {})
+        self.round, self.admit_at, self.asked, self.version = next_round, at, 0, version
+
+    def next_round(self):
+        self.asked += 1
+        return self.round if self.asked == self.admit_at else None
+
+
+def test_the_next_round_admitted_inside_this_one_runs_on_until_adopted(engine, prompts, hf_weights):
+    """Rounds interleaved: round 2 (two prompts) named at round 1's second check (8 tokens
+    in) generates beside it; round 1 comes back alone and whole while round 2's requests run
+    on. New weights between the rounds pause them (vLLM holds none when update_weights
+    resets its prefix cache); the next call, asking for round 2, adopts it: its greedy
+    responses are the uninterrupted ones, the tokens after the pause the new version's.
+    Another call while a round waits ahead is refused; a stop drops the round ahead."""
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    second = [prompts[2], prompts[0]]
+    plain1, plain2 = engine.generate(prompts, greedy), engine.generate(second, greedy)
+    first = engine.generate(prompts, greedy, refresh=Ahead(engine, (second, None), at=2))
+    assert [s.token_ids for s in first] == [s.token_ids for s in plain1]
+    assert all(s.segments == [(0, 0)] for s in first)
+    assert engine.llm.llm_engine.has_unfinished_requests()  # round 2, 16 tokens behind
+    engine.update_weights(iter(hf_weights.items()))  # the same weights: version 1
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    adopted = engine.generate(second, greedy, refresh=Ahead(engine, None, at=0, version=1))
+    assert [s.token_ids for s in adopted] == [s.token_ids for s in plain2]
+    cut = adopted[0].segments[1][0]
+    assert 0 < cut < 24 and all(s.segments == [(0, 0), (cut, 1)] for s in adopted)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+    engine.generate(prompts, greedy, refresh=Ahead(engine, (second, None), at=2))
+    with pytest.raises(RuntimeError, match="not the one generated next"):
+        engine.generate(prompts, greedy, refresh=Refresh(engine, (), {}))
+    engine.drop_ahead()
+    again = engine.generate(prompts, greedy, refresh=Refresh(engine, (), {}))
+    assert [s.token_ids for s in again] == [s.token_ids for s in plain1]
+    with pytest.raises(StepAborted):
+        engine.generate(
+            prompts, greedy, should_stop=lambda: engine._ahead is not None,
+            refresh=Ahead(engine, (second, None), at=1),
+        )  # fmt: skip
+    assert engine._ahead is None and not engine.llm.llm_engine.has_unfinished_requests()

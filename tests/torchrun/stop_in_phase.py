@@ -124,10 +124,13 @@ class PushInsideRound:
     """The `WeightRefresh` of an engine rank's round `step` (async.partial_rollout), holding
     the generation at its second check (`ABORT_CHECK_STEPS` tokens in) until the push made
     after the previous step's update has rung (or any command: a Shutdown), so that push is
-    read inside the round, as a generation longer than an update would make it happen."""
+    read inside the round, as a generation longer than an update would make it happen (`hold`
+    False: a launch's first round, made with the weights it trains). It has no `next_round`:
+    rounds are not interleaved, each generated whole by its own call."""
 
-    def __init__(self, inner, step: int, timeout_s: float = 120.0):
+    def __init__(self, inner, step: int, hold: bool, timeout_s: float = 120.0):
         self.inner, self.step, self.checks, self.timeout_s = inner, step, 0, timeout_s
+        self.hold = hold
 
     @property
     def version(self) -> int:
@@ -136,7 +139,12 @@ class PushInsideRound:
     def pending(self) -> bool:
         self.checks += 1
         deadline = time.time() + self.timeout_s
-        while self.checks == 2 and self.inner.version < self.step and not self.inner.pending():
+        while (
+            self.hold
+            and self.checks == 2
+            and self.inner.version < self.step
+            and not self.inner.pending()
+        ):
             if time.time() > deadline:
                 raise RuntimeError(f"round {self.step}: no push came in {self.timeout_s} s")
             time.sleep(0.01)
@@ -154,8 +162,7 @@ def push_inside_rounds() -> None:
     def holding(config, stage, step, *args, refresh=None, **kwargs):
         if refresh is not None:
             first.append(step)
-            if step > first[0]:
-                refresh = PushInsideRound(refresh, step)
+            refresh = PushInsideRound(refresh, step, hold=step > first[0])
         return generate_round(config, stage, step, *args, refresh=refresh, **kwargs)
 
     engine_worker.generate_round = holding

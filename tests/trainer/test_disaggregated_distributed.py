@@ -252,6 +252,26 @@ def test_partial_rollouts_take_pushes_inside_rounds_stop_and_resume(
     assert evals[-4:] == [2, 2, 3, 3], evals
 
 
+def test_fully_async_generates_the_next_round_beside_this_ones_tail(
+    tiny_model_dir, eval_prompts, tmp_path
+):
+    """async.max_staleness 2 with partial rollouts, nothing held: round 2 may start under
+    version 0, so the engine admits it at round 1's first check and generates both in one
+    vLLM batch; round 2's own engine call adopts it (it refuses other prompts or seeds: the
+    run would fail). Later rounds are admitted as the pushes allow; every round within the
+    bound, by the version it started under; the evaluations (on the engine, which pauses a
+    round admitted ahead) at their steps."""
+    run = tmp_path / "run"
+    train("ppo", run, *ppo_overrides(tiny_model_dir, eval_prompts), *DISAGGREGATED,
+          "async.max_staleness=2", "async.partial_rollout=true", timeout=400)  # fmt: skip
+    steps = metrics(run)
+    assert [r["rollout/interleaved"] for r in steps][:2] == [0.0, 1.0]
+    assert all(0 <= s <= 2 for s in staleness(run)) and staleness(run)[:2] == [0, 1]
+    assert all(r["rollout/num_samples"] == 8 for r in steps)
+    evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 0, 2, 2, 3, 3], evals
+
+
 def test_two_engine_ranks_form_one_tensor_parallel_engine(tiny_model_dir, eval_prompts, tmp_path):
     """3 ranks: a trainer and one vLLM engine of TP 2 over the two engine ranks (they draw,
     generate and score in step; the first answers). vLLM at TP 2 sums in another order than

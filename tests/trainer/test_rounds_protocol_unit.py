@@ -77,7 +77,7 @@ class Engine(EngineWorker):
         self.stream = self.bridge = None  # the channels below stand in for both groups
         self.leader, self.replica_group = True, None  # one rank per replica here
         self.store, self.commands_read, self.partial_rollout = store, 0, partial_rollout
-        self.posted = []
+        self.posted, self.interleave = [], False  # interleaving: the test at the end
         self.to_engine, self.to_trainer = Channel(), Channel()
         self.abort_round = abort_round
         self.generated: list[tuple[int, int]] = []  # (round, version it started with)
@@ -293,3 +293,38 @@ def test_a_stop_with_partial_rollouts_ends_a_round_in_flight_at_shutdown(monkeyp
     assert len(steps) == 2
     for engine in engines:
         assert engine.generated == [(0, 0), (1, 0), (2, 1)] and engine.segments[2] == [1]
+
+
+def test_the_next_round_is_named_once_the_version_held_admits_it():
+    """`EngineWorker.next_round` (rounds interleaved): round s + 1 is named while round s
+    generates once the engine holds version >= s + 1 - max_staleness, once, never past the
+    run's end; its prompts are this replica's share of the stream's next draw (the stream is
+    put back: the round draws them itself) and its seeds those of that round's first engine
+    call (`generate_samples_with_rating`)."""
+    from megatron_rl.data import PromptStream
+    from megatron_rl.rollout.rating import chunk_seeds
+    from megatron_rl.trainer.disaggregated import Rounds
+    from megatron_rl.trainer.rounds import DataParallelShard, round_seed
+
+    w = EngineWorker.__new__(EngineWorker)
+    w.config = SimpleNamespace(
+        rollout=SimpleNamespace(rollout_batch_size=4), trainer=SimpleNamespace(seed=5)
+    )
+    w.replica, w.replicas, w.interleave, w.admitted = 1, 2, True, {}
+    w.prompts = PromptStream([SimpleNamespace(row=i, prompt_token_ids=[i, 1]) for i in range(9)])
+    w.prompts.take(4)  # round 1's draw
+    w.run_of_rounds, w.step, w.version = Rounds(1, 3, {}, max_staleness=1), 1, 0
+    assert w.next_round() is None  # round 2 needs version 1
+    w.version = 1
+    at = w.prompts.state_dict()
+    prompts, seeds = w.next_round()
+    assert w.prompts.state_dict() == at
+    batch = DataParallelShard(w.prompts, 1, 2).take(2)  # what round 2 draws (the wrap included)
+    assert prompts == [p.prompt_token_ids for p in batch] and len(prompts) == 2
+    assert seeds == chunk_seeds(round_seed(w.config, "train", 2), batch, chunk=0)
+    assert w.admitted == {2: 1}  # round 2's head version
+    assert w.next_round() is None  # named once
+    w.step = 2
+    assert w.next_round() is None  # round 2 is the run's last
+    w.step, w.admitted, w.interleave = 1, {}, False
+    assert w.next_round() is None  # a filtering strategy or several chunks: not interleaved
