@@ -254,6 +254,13 @@ class VLLMEngine:
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        else:
+            # A prompt prefilled in chunks discards the token sampled after each chunk and
+            # rewinds its request's generator, which only a CUDA generator can do: a seeded
+            # request (every rollout's) chunked on CPU raised "CPU Generator does not use
+            # offset" once a batch's prompts outgrew one step's token budget (4096; a round
+            # admitted beside another's tail, a push's re-prefill). Whole prompts instead.
+            kwargs.setdefault("enable_chunked_prefill", False)
         self.sleep_mode = not on_cpu
         self.awake: set[str] = set(ENGINE_MEMORY)
         self._requests: dict[str, tuple[_Round, int, int | None]] = {}

@@ -126,6 +126,21 @@ def test_a_stop_aborts_generation_within_a_few_engine_steps_and_leaves_it_reusab
     ]
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget_are_generated_whole(engine):
+    """24 seeded prompts of 200 tokens (4,800, beyond vLLM's 4,096 a step): on CPU they are
+    not prefilled in chunks, whose seeded sampling vLLM can only rewind on a CUDA generator;
+    each response is the one its seed gives in a smaller batch."""
+    prompts = [[(7 * i + j) % 400 + 10 for j in range(200)] for i in range(24)]
+    sampling, seeds = SamplingConfig(n=2, max_new_tokens=6), list(range(100, 124))
+    whole = engine.generate(prompts, sampling, seeds)
+    halves = [
+        *engine.generate(prompts[:12], sampling, seeds[:12]),
+        *engine.generate(prompts[12:], sampling, seeds[12:]),
+    ]
+    assert len(whole) == 48 and all(s.response_length == 6 for s in whole)
+    assert [s.token_ids for s in whole] == [s.token_ids for s in halves]
+
+
 class Refresh:
     """A `WeightRefresh` that has new weights waiting at the given checks (1 = the first,
     before any token) and loads `weights` (HF name -> tensor) as the next version."""

@@ -269,6 +269,35 @@ def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
     same_steps_as(out, uninterrupted[1])
 
 
+def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
+    cluster, tiny_model_dir, tmp_path
+):
+    """#45 through the shipped script: the disaggregated placement over the two nodes (n1's
+    rank trains, n2's only generates: the last `engine_ranks` ranks), one step off. USR1
+    after two PPO steps, while the engine runs ahead: every rank saves or exits, the job
+    requeues, and the next start resumes, its first round regenerated with the checkpoint's
+    weights (staleness 0; the round in flight at the stop is not saved), the others one
+    version behind; each step logged once."""
+    out = tmp_path / "run"
+    job_id = cluster.submit(
+        out, *model_args(tiny_model_dir), "rollout.placement=disaggregated",
+        "rollout.engine_ranks=1", "parallel.tensor_model_parallel_size=1",
+        "async.max_staleness=1",
+    )  # fmt: skip
+    cluster.wait(job_id, out, lambda j: len(train_rows(out)) >= 2, "past two steps")
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    requeue_and_finish(cluster, job_id, out)
+    log = (out / "job.out").read_text()
+    saved = re.findall(r"saved checkpoint \S+/(step_\d+)", log)[1]
+    stopped_at = int(saved.removeprefix("step_")) - PRETRAIN_STEPS
+    assert 2 <= stopped_at < TOTAL_STEPS, log[-5000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
+    staleness = [r["rollout/staleness"] for r in rows]
+    want = [0.0, *[1.0] * (stopped_at - 1), 0.0, *[1.0] * (TOTAL_STEPS - stopped_at - 1)]
+    assert staleness == want, (staleness, stopped_at)
+
+
 def test_a_signal_before_the_workers_start_is_honoured_and_a_start_without_progress_ends(
     cluster, tiny_model_dir, tmp_path
 ):

@@ -13,7 +13,9 @@ async.max_staleness 0:
   the resumed run logs what the uninterrupted one did, with the same final weights.
 async.max_staleness 1 (one-step-off): staleness 0 then 1, the first step the synchronous
 run's; a stop while the engine runs ahead, then a resume to the end. async.max_staleness 2
-with partial rollouts: a stop with responses in flight, a resume, the bound kept.
+with partial rollouts: a stop with responses in flight, a resume, the bound kept; the next
+round generated beside a round's tail (interleaved). GRPO, RLOO and REINFORCE++ ahead of
+their trainer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 from megatron_rl.launch import TorchrunError, run_torchrun
 from megatron_rl.preemption import STOP_FILE_ENV
 from tests.checkpoints import same_weights
-from tests.trainer.runs import VARIED_REWARD, checkpoint, metrics, train
+from tests.trainer.runs import VARIED_REWARD, checkpoint, finite, metrics, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
@@ -270,6 +272,34 @@ def test_fully_async_generates_the_next_round_beside_this_ones_tail(
     assert all(r["rollout/num_samples"] == 8 for r in steps)
     evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 0, 2, 2, 3, 3], evals
+
+
+@pytest.mark.parametrize(
+    "recipe,ahead",
+    [
+        ("grpo", ("async.max_staleness=2", "async.partial_rollout=true")),
+        ("rloo", ("async.max_staleness=1",)),
+        ("reinforce_pp", ("async.max_staleness=1",)),
+    ],
+)
+def test_every_estimator_trains_apart_and_ahead(recipe, ahead, tiny_model_dir, tmp_path):
+    """The critic-free recipes apart and ahead of their trainer (PPO: the tests above; VAPO:
+    the async demo recipes): GRPO with dynamic filtering and KL to the reference at k = 2
+    with partial rollouts (a filtering round draws more prompts after its scores: not
+    interleaved), RLOO and REINFORCE++ (advantages whitened over the batch) one step off.
+    Three steps each, within the bound, each round's kept groups whole, the actor moving."""
+    out = tmp_path / recipe
+    train(recipe, out, f"model.path={tiny_model_dir}", VARIED_REWARD, "trainer.total_steps=3",
+          "trainer.save_interval=1", "parallel.tensor_model_parallel_size=1", *DISAGGREGATED,
+          *ahead)  # fmt: skip
+    records, k = metrics(out), 2 if recipe == "grpo" else 1
+    assert [r["step"] for r in records] == [1, 2, 3] and all(finite(r) for r in records)
+    assert staleness(out)[:2] == [0, 1] and all(s <= k for s in staleness(out))
+    n = 1 if recipe == "reinforce_pp" else 4
+    assert all(r["rollout/num_samples"] == n * r["rollout/groups_kept"] > 0 for r in records)
+    if recipe == "grpo":
+        assert "rollout/interleaved" not in records[0] and "rollout/groups_dropped" in records[0]
+    assert not same_weights(checkpoint(out, 1)["actor"], checkpoint(out, 3)["actor"])
 
 
 def test_two_engine_ranks_form_one_tensor_parallel_engine(tiny_model_dir, eval_prompts, tmp_path):
