@@ -117,6 +117,14 @@ def training_s(tokens: int, params: int, passes: float, gpus: int, hw: Hardware)
     return tokens * params * passes / (gpus * hw.peak_flops * hw.mfu)
 
 
+def splits(gpus: int, engine: Engine, trainer_unit: int):
+    """(engines' GPUs, trainers' GPUs) of every split: whole engines, and trainers in
+    multiples of TP x PP."""
+    for gen_gpus in range(engine.tp, gpus, engine.tp):
+        if (gpus - gen_gpus) % trainer_unit == 0:
+            yield gen_gpus, gpus - gen_gpus
+
+
 def simulate(
     lengths: list[int],
     gpus: int,
@@ -133,10 +141,7 @@ def simulate(
     all_train = training_s(tokens, engine.params, passes, gpus, hw)
     colocated = all_gen + all_train + hw.colocated_switch_s
     best = {"sync": (math.inf, 0), "one_step_off": (math.inf, 0)}
-    for gen_gpus in range(engine.tp, gpus, engine.tp):
-        train_gpus = gpus - gen_gpus
-        if train_gpus % trainer_unit:
-            continue
+    for gen_gpus, train_gpus in splits(gpus, engine, trainer_unit):
         gen = generation_s(lengths, gen_gpus, engine, prompt_tokens, hw)
         train = training_s(tokens, engine.params, passes, train_gpus, hw) + push_s
         for mode, step in (("sync", gen + train), ("one_step_off", max(gen, train))):
@@ -172,10 +177,7 @@ def simulate_partial(
     cached = engine.concurrency(hw, mean_context) * mean_context
     reprefill_s = 2 * engine.params * cached / (engine.tp * hw.peak_flops * hw.mfu)
     best = (math.inf, 0)
-    for gen_gpus in range(engine.tp, gpus, engine.tp):
-        train_gpus = gpus - gen_gpus
-        if train_gpus % trainer_unit:
-            continue
+    for gen_gpus, train_gpus in splits(gpus, engine, trainer_unit):
         gen = generation_s(lengths, gen_gpus, engine, prompt_tokens, hw) / n
         train = training_s(tokens, engine.params, passes, train_gpus, hw)
         best = min(best, (max(gen + push_s + reprefill_s, train + push_s), gen_gpus))
