@@ -74,7 +74,8 @@ def summary(rows: list[dict]) -> dict[str, float]:
         return round(statistics.median(r[key] for r in measured), 3)
 
     def mean(key: str) -> dict[str, float]:
-        """Apart runs only: staleness, and the mixed-version share with partial rollouts."""
+        """Apart runs only: staleness; with partial rollouts the mixed-version share and
+        the share of rounds admitted beside the previous one's tail."""
         if key not in measured[0]:
             return {}
         return {key.removeprefix("rollout/"): round(statistics.fmean(r[key] for r in measured), 3)}
@@ -88,6 +89,7 @@ def summary(rows: list[dict]) -> dict[str, float]:
         ),
         **mean("rollout/staleness"),
         **mean("rollout/mixed_version_share"),
+        **mean("rollout/interleaved"),
     }
 
 

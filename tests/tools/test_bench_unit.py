@@ -16,10 +16,12 @@ def test_async_summary_takes_medians_after_the_warm_up_and_bounds_the_overlap():
     assert ideal_ratio_k1(got) == 2.0
     assert ideal_ratio_k1({"step_s": 4.0, "rollout_wait_s": 1.0}) == round(4 / 3, 3)
     # apart runs log their staleness; partial rollouts the mixed-version share: means
-    apart = [{**r, "rollout/staleness": float(i % 2), "rollout/mixed_version_share": 0.25 * i}
+    apart = [{**r, "rollout/staleness": float(i % 2), "rollout/mixed_version_share": 0.25 * i,
+              "rollout/interleaved": float(i > 1)}
              for i, r in enumerate(rows)]  # fmt: skip
     got = summary(apart)
     assert got["staleness"] == round(2 / 3, 3) and got["mixed_version_share"] == 0.5
+    assert got["interleaved"] == round(2 / 3, 3)
 
 
 def test_time_to_bar_sums_the_steps_up_to_the_first_evaluation_at_the_bar():
