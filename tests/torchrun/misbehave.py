@@ -41,6 +41,9 @@ def main():
         )
         os.write(1, line.encode())  # one write: the nodes share one output file
     torch.distributed.barrier()
+    # torn down here, not by the interpreter's exit: left to it, a rank once aborted
+    # ("terminate called without an active exception") while its peer's node had gone
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
