@@ -147,9 +147,11 @@ class _Round:
     states: dict[tuple[int, int], _Partial]
     running: bool = False
     """Whether its unfinished responses have requests in vLLM (False once aborted)."""
+    left: int = 0
+    """Responses not finished yet (kept as a count: the loop asks every engine step)."""
 
-    def unfinished(self) -> bool:
-        return any(st.finish_reason is None for st in self.states.values())
+    def __post_init__(self) -> None:
+        self.left = sum(st.finish_reason is None for st in self.states.values())
 
     def same(self, prompts, sampling: SamplingConfig, seeds) -> bool:
         return (self.prompts, self.sampling, self.seeds) == (
@@ -538,7 +540,7 @@ class VLLMEngine:
             self._resume(current, refresh.version)
         next_round = getattr(refresh, "next_round", None)
         steps = 0
-        while current.unfinished():
+        while current.left:
             if steps % ABORT_CHECK_STEPS == 0:
                 if should_stop is not None and self._any_engine_rank(should_stop()):
                     self._interrupt(current, self._ahead)
@@ -569,7 +571,9 @@ class VLLMEngine:
                     st.logprobs += [
                         lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)
                     ]
-                    st.finish_reason = c.finish_reason or st.finish_reason
+                    if c.finish_reason is not None and st.finish_reason is None:
+                        st.finish_reason = c.finish_reason
+                        rnd.left -= 1
             steps += 1
         return current.states
 
