@@ -26,8 +26,8 @@ same number of updates), where generation dominates as it does for long chains o
 MIN_GAIN = 0.25), per mode: the recipe as the demo runs it (its value pretraining, the warm
 start, `--bar-steps` PPO steps) with the recipe's first eval set every `--eval-interval`
 steps. `time_to_bar_s` is the trainer's step time summed over the PPO steps up to the first
-evaluation at the bar, those evaluations included (the same in every mode; value
-pretraining, synchronous in every mode, left out). Staleness shows here: an async run may
+evaluation at the bar, those evaluations included (the same ones in every mode, made by
+the engine ranks when apart; value pretraining, synchronous in every mode, left out). Staleness shows here: an async run may
 need more steps than colocated, and this is where that is paid.
 """
 
