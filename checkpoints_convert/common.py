@@ -3,6 +3,8 @@ directories, and running a command as its own torchrun workers."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,18 +31,40 @@ def fail(message) -> None:
     raise SystemExit(f"error: {message}")
 
 
-def checked_layout(tp: int, pp: int, arch: ModelArchitecture | None = None):
-    """The TP x PP layout these commands run with (world size = TP * PP); with `arch`, a
-    layout that cannot split the model exits with one line naming the numbers."""
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """--tp, --pp, and for mixtures of experts --ep / --etp."""
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, help="expert-tensor-parallel size (MoE; default --tp)")
+
+
+def describe(args) -> str:
+    """The layout as the commands print it: TP2PP1, TP1PP1EP2ETP1."""
+    experts = f"EP{args.ep}ETP{args.etp or args.tp}" if args.ep > 1 or args.etp else ""
+    return f"TP{args.tp}PP{args.pp}{experts}"
+
+
+def checked_layout(args, arch: ModelArchitecture):
+    """The layout these commands run with (--tp, --pp, --ep, --etp; a MoE model split over
+    TP runs with sequence parallelism, as megatron-core requires), and its world size: the
+    least that both the dense (TP x PP) and the expert (ETP x EP x PP) grids divide. A layout
+    that cannot split the model exits with one line naming the numbers."""
     from megatron_rl.parallel.distributed import ParallelLayout
 
-    layout = ParallelLayout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if arch is not None:
-        try:
-            layout.validate(tp * pp, arch)
-        except ValueError as e:
-            fail(e)
-    return layout
+    try:
+        layout = ParallelLayout(
+            tensor_model_parallel_size=args.tp,
+            pipeline_model_parallel_size=args.pp,
+            sequence_parallel=arch.is_moe and args.tp > 1,
+            expert_model_parallel_size=args.ep,
+            expert_tensor_parallel_size=args.etp,
+        )
+        world = math.lcm(args.tp * args.pp, layout.expert_tensor_size * args.ep * args.pp)
+        layout.validate(world, arch)
+    except (ValueError, TypeError) as e:
+        fail(e)
+    return layout, world
 
 
 def under_torchrun() -> bool:

@@ -1,7 +1,7 @@
-"""Hugging Face -> megatron-core distributed checkpoint (loadable at any TP/PP).
+"""Hugging Face -> megatron-core distributed checkpoint (loadable at any TP/PP, and EP/ETP).
 
     python -m checkpoints_convert.hf_to_megatron --hf-dir D --out-dir O --tp 2 --pp 2
-        [--role actor|critic] [--lora-dir L] [--overwrite]
+        [--ep E --etp T] [--role actor|critic] [--lora-dir L] [--overwrite]
 
 --role critic takes a sequence-classification reward model (`score.weight` [1, hidden]) and
 writes the critic: the transformer plus that head as the value head.
@@ -22,9 +22,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoints_convert.common import (
     HF_META_SUBDIR,
+    add_layout_args,
     atomic_output_dir,
     checked_layout,
     copy_side_files,
+    describe,
     fail,
     launch_self,
     under_torchrun,
@@ -39,8 +41,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-dir", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    add_layout_args(p)
     p.add_argument("--role", choices=["actor", "critic"], default="actor")
     p.add_argument("--lora-dir", type=Path)
     p.add_argument("--overwrite", action="store_true")
@@ -63,7 +64,7 @@ def check_inputs(args) -> ModelArchitecture:
         arch = read_hf_config(args.hf_dir)
     except (ValueError, FileNotFoundError) as e:
         fail(e)
-    checked_layout(args.tp, args.pp, arch)
+    checked_layout(args, arch)
     try:
         validate_hf_checkpoint(open_reader(args), arch, args.role)
     except (ValueError, KeyError, FileNotFoundError) as e:
@@ -80,7 +81,7 @@ def worker(args) -> None:
     from megatron_rl.parallel import distributed
 
     arch = read_hf_config(args.hf_dir)
-    layout = checked_layout(args.tp, args.pp)
+    layout, _ = checked_layout(args, arch)
     distributed.initialize(layout, arch=arch)
     reader = open_reader(args)
     if args.role == "critic":
@@ -102,17 +103,18 @@ def main(argv: list[str] | None = None) -> None:
         return record(worker)(args)
     arch = check_inputs(args)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
-        launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
+        world = checked_layout(args, arch)[1]
+        launch_self(__spec__.name, argv, world, ["--work-dir", str(tmp)])
         copy_side_files(args.hf_dir, tmp / HF_META_SUBDIR)
         write_metadata(
             tmp,
             args.role,
             arch,
-            saved_layout={"tp": args.tp, "pp": args.pp},
+            saved_layout={"tp": args.tp, "pp": args.pp, "ep": args.ep, "etp": args.etp or args.tp},
             source=str(args.hf_dir.resolve()),
             lora=str(args.lora_dir.resolve()) if args.lora_dir else None,
         )
-    print(f"wrote {args.out_dir} ({args.role}, saved at TP{args.tp}PP{args.pp})")
+    print(f"wrote {args.out_dir} ({args.role}, saved at {describe(args)})")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """megatron-core distributed checkpoint -> Hugging Face safetensors (+ config and tokenizer).
 
     python -m checkpoints_convert.megatron_to_hf --ckpt-dir C --out-dir D [--role actor|critic]
-        [--tp N --pp M]
+        [--tp N --pp M --ep E --etp T]
 
 --ckpt-dir: a converted checkpoint (hf_to_megatron), a training checkpoint
 (`output_dir/checkpoints/step_N`, with --role), or a run's `output_dir` (its `latest`
-checkpoint). The checkpoint is loaded at --tp/--pp (any layout: more processes, less memory
-each). Each pipeline stage streams its tensors, TP shards gathered one parameter at a time,
+checkpoint). The checkpoint is loaded at --tp/--pp (and --ep/--etp for a mixture of experts;
+any layout: more processes, less memory each). Each pipeline stage streams its tensors, TP shards gathered one parameter at a time,
 into safetensors files of at most --max-shard-mb; vocabulary padding is removed. Actors export
 as causal LMs, critics as sequence-classification models (`score.weight`, one label).
 """
@@ -22,8 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoints_convert.common import (
     HF_META_SUBDIR,
     METADATA,
+    add_layout_args,
     atomic_output_dir,
     checked_layout,
+    describe,
     fail,
     launch_self,
     load_megatron_checkpoint,
@@ -37,8 +39,7 @@ def parse_args(argv):
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--role", choices=["actor", "critic"], default=None)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    add_layout_args(p)
     p.add_argument("--max-shard-mb", type=int, default=4096)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
@@ -49,7 +50,7 @@ def worker(args) -> None:
     from megatron_rl.models.hf_export import save_hf_pretrained
     from megatron_rl.parallel import distributed
 
-    layout = checked_layout(args.tp, args.pp)
+    layout, _ = checked_layout(args, read_metadata(args.ckpt_dir)[1])
     distributed.initialize(layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     max_bytes = args.max_shard_mb * 2**20
@@ -88,12 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     args.ckpt_dir = role_dir(args.ckpt_dir, args.role)
     argv = [*argv, "--ckpt-dir", str(args.ckpt_dir)]  # the workers load the resolved one
     meta, arch = read_metadata(args.ckpt_dir)
-    checked_layout(args.tp, args.pp, arch)
+    _, world = checked_layout(args, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
-        launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-dir", str(tmp)])
-    print(
-        f"wrote {args.out_dir} ({meta['role']} of {args.ckpt_dir}, loaded at TP{args.tp}PP{args.pp})"
-    )
+        launch_self(__spec__.name, argv, world, ["--work-dir", str(tmp)])
+    print(f"wrote {args.out_dir} ({meta['role']} of {args.ckpt_dir}, loaded at {describe(args)})")
 
 
 if __name__ == "__main__":

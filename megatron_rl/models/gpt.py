@@ -2,12 +2,15 @@
 
 `build_gpt_model_chunks(arch, layout)` returns this rank's model chunks (one per virtual
 pipeline stage): RMSNorm, SwiGLU, RoPE with the Hugging Face theta and scaling (linear,
-llama3), GQA, optional QKV bias, optional per-head query/key RMSNorm (Qwen3).
+llama3), GQA, optional QKV bias, optional per-head query/key RMSNorm (Qwen3), and for
+mixture-of-experts families a top-k routed MoE layer in place of every MLP (`MoEConfig`).
 
 Layer specs: the Transformer Engine spec when TE is importable and CUDA is present (fused
-norm+linear, FP8-capable), otherwise megatron-core's local spec with our `RMSNorm`, which
-unlike megatron's torch-norm wrapper supports sequence parallelism (its weight is tagged
-`sequence_parallel`, so Megatron all-reduces its gradient across the TP group).
+norm+linear, FP8-capable; experts as one grouped GEMM, `TEGroupedMLP`), otherwise
+megatron-core's local spec with our `RMSNorm`, which unlike megatron's torch-norm wrapper
+supports sequence parallelism (its weight is tagged `sequence_parallel`, so Megatron
+all-reduces its gradient across the TP group), and experts as a `SequentialMLP`. Both expert
+layouts save the same sharded checkpoint (experts at global indices).
 """
 
 from __future__ import annotations
@@ -162,6 +165,55 @@ class RecomputeConfig:
         }
 
 
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
+MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How a mixture-of-experts model routes and dispatches tokens (megatron-core's names).
+
+    The routing itself (experts, top-k, renormalisation) comes from the checkpoint's config
+    (`ModelArchitecture`); these are the run's choices. The defaults are those of verl,
+    NeMo-RL and slime for RL: no load-balancing loss (it moves the policy away from the one
+    that sampled, and NeMo-RL saw it make log-probs diverge), the router in fp32, alltoall.
+    """
+
+    moe_token_dispatcher_type: str = "alltoall"
+    """"alltoall" (tokens sent to their experts' ranks) or "allgather" (every token to every
+    rank of the expert group)."""
+    moe_router_dtype: str | None = "fp32"
+    """The router's logits and softmax in fp32 (or "fp64"); None: the parameters' dtype."""
+
+    def __post_init__(self) -> None:
+        if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
+            raise ValueError(
+                f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}: expected one "
+                f"of {MOE_TOKEN_DISPATCHERS}"
+            )
+        if self.moe_router_dtype not in MOE_ROUTER_DTYPES:
+            raise ValueError(
+                f"moe_router_dtype={self.moe_router_dtype!r}: expected one of {MOE_ROUTER_DTYPES}"
+            )
+
+    def transformer_config_kwargs(self, arch: ModelArchitecture, grouped_gemm: bool) -> dict:
+        """The TransformerConfig fields of `arch`'s experts ({} for a dense model)."""
+        if not arch.is_moe:
+            return {}
+        return dict(
+            num_moe_experts=arch.num_moe_experts,
+            moe_router_topk=arch.moe_router_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_pre_softmax=arch.moe_router_pre_softmax,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+            moe_router_dtype=self.moe_router_dtype,
+            moe_grouped_gemm=grouped_gemm,
+        )
+
+
 def sequence_multiple(layout: ParallelLayout, precision: PrecisionConfig | None = None) -> int:
     """Sequence lengths must be multiples of this: TP size under sequence parallelism (the
     sequence is split over TP ranks), 16 with FP8 (TE's FP8 GEMM alignment)."""
@@ -176,6 +228,9 @@ def transformer_config(
     layout: ParallelLayout,
     precision: PrecisionConfig | None = None,
     recompute: RecomputeConfig | None = None,
+    moe: MoEConfig | None = None,
+    *,
+    use_transformer_engine: bool | None = None,
 ):
     """The megatron-core TransformerConfig for `arch` under `layout`."""
     # why: megatron-core takes seconds to import: loaded on first use
@@ -184,6 +239,8 @@ def transformer_config(
     precision = precision or PrecisionConfig()
     precision.check_supported()
     on_gpu = torch.cuda.is_available()
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
     interleaved = layout.virtual_pipeline_model_parallel_size is not None
     fp8 = {}
     if precision.fp8 is not None:
@@ -219,6 +276,8 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         sequence_parallel=layout.sequence_parallel,
         context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         params_dtype=precision.params_dtype,
         pipeline_dtype=precision.params_dtype,
         bf16=precision.bf16,
@@ -238,21 +297,29 @@ def transformer_config(
         batch_p2p_comm=not interleaved,
         **fp8,
         **(recompute or RecomputeConfig()).transformer_config_kwargs(),
+        **(moe or MoEConfig()).transformer_config_kwargs(arch, use_transformer_engine),
     )
 
 
-def layer_spec(use_transformer_engine: bool | None = None, qk_layernorm: bool = False):
+def layer_spec(
+    use_transformer_engine: bool | None = None,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+):
     """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm
-    (also as the per-head query/key norm when `qk_layernorm`, Qwen3)."""
+    (also as the per-head query/key norm when `qk_layernorm`, Qwen3). With `num_experts` the
+    MLP is a MoE layer: TE's grouped GEMM experts, or the local `SequentialMLP`."""
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     if use_transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=bool(num_experts), qk_layernorm=qk_layernorm
+        )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        normalization="RMSNorm", qk_layernorm=qk_layernorm
+        num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
@@ -315,6 +382,7 @@ def build_gpt_model_chunks(
     use_transformer_engine: bool | None = None,
     max_sequence_length: int | None = None,
     recompute: RecomputeConfig | None = None,
+    moe: MoEConfig | None = None,
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
 
@@ -327,10 +395,12 @@ def build_gpt_model_chunks(
 
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
-    config = transformer_config(arch, layout, precision, recompute)
+    config = transformer_config(
+        arch, layout, precision, recompute, moe, use_transformer_engine=use_transformer_engine
+    )
     if config.fp8 and not use_transformer_engine:
         raise ValueError("fp8 needs the Transformer Engine layer spec (use_transformer_engine)")
-    layer = layer_spec(use_transformer_engine, arch.qk_layernorm)
+    layer = layer_spec(use_transformer_engine, arch.qk_layernorm, arch.num_moe_experts or None)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:

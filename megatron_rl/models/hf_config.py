@@ -1,13 +1,18 @@
 """Read a Hugging Face `config.json` into a `ModelArchitecture`: every field is either mapped
 exactly, known not to change the computation, or refused with its name and value.
 
-Supported families (dense decoders with RMSNorm, SwiGLU, RoPE, GQA):
+Supported families (decoders with RMSNorm, SwiGLU, RoPE, GQA):
 - `qwen2` (Qwen2 / Qwen2.5): q/k/v biases;
 - `qwen3` (Qwen3 dense): per-head RMSNorm on queries and keys (qk-norm), explicit head_dim;
-- `llama` (Llama-2, Llama-3, Llama-3.1/3.2 with `llama3` rope scaling).
+- `llama` (Llama-2, Llama-3, Llama-3.1/3.2 with `llama3` rope scaling);
+- `qwen3_moe` (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, every MLP a top-k routed
+  mixture of experts, renormalised or not (`norm_topk_prob`);
+- `mixtral` (Mixtral-8x7B/8x22B): Llama's attention, top-k experts always renormalised.
 Rope: default, `linear`, `llama3` and `yarn` (Qwen's long-context setting, `models.rope`).
 
-Refused, with the reason: MoE families (Qwen2-MoE, Qwen3-MoE, Mixtral), Mistral, rope types
+Refused, with the reason: Qwen2-MoE and DeepSeek-V3 (shared experts, MLA), the MoE variants
+we do not compute (shared experts, dense `mlp_only_layers`, sparse steps, router jitter),
+Mistral, rope types
 not reproduced here (dynamic, longrope), sliding-window attention where a window is shorter
 than the context, activations other than SiLU (vLLM's Llama/Qwen MLP computes SiLU only),
 biases megatron-core cannot place (Llama's `attention_bias` without `mlp_bias` or the reverse,
@@ -15,6 +20,10 @@ Qwen3's `attention_bias`: megatron-core's `add_bias_linear` biases o_proj and th
 together; Llama with both maps exactly), dropout (RL trains the policy it samples from, so it
 trains without dropout), and any field this module does not know. No torch or Megatron import
 (the yarn frequencies are computed when the model is built).
+
+The router's training-time fields (`router_aux_loss_coef`, `output_router_logits`) do not
+change what the model computes and are not applied: the load-balancing loss of RL training
+is set in our own config, off by default, as verl, NeMo-RL and slime do.
 """
 
 from __future__ import annotations
@@ -26,14 +35,17 @@ from typing import Any
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.rope import yarn_attention_factor
 
-HF_CLASS_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+HF_CLASS_PREFIX = {
+    "qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
+}  # fmt: skip
 """model_type -> the prefix of its transformers classes (Qwen2ForCausalLM, ...)."""
 SUPPORTED_MODEL_TYPES = tuple(HF_CLASS_PREFIX)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 REFUSED_MODEL_TYPES = {
-    "qwen2_moe": "mixture-of-experts models are not supported yet",
-    "qwen3_moe": "mixture-of-experts models are not supported yet",
-    "mixtral": "mixture-of-experts models are not supported yet",
-    "deepseek_v3": "mixture-of-experts models are not supported yet",
+    "qwen2_moe": "Qwen2-MoE's gated shared expert is not supported",
+    "deepseek_v3": "DeepSeek-V3's latent attention (MLA), shared experts and grouped sigmoid "
+    "routing are not supported",
     "mistral": "Mistral's sliding-window attention is not supported",
 }
 
@@ -44,11 +56,19 @@ _MAPPED = {
     "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
     "tie_word_embeddings", "initializer_range", "hidden_act", "attention_dropout",
 }  # fmt: skip
+_QWEN_WINDOW = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+# Read by `_moe` (or checked there); the router's training-only fields are harmless here.
+_MOE_FIELDS = {"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"}
 _FAMILY_FIELDS = {
-    "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
-    "qwen3": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
-              "attention_bias"},
+    "qwen2": _QWEN_WINDOW,
+    "qwen3": _QWEN_WINDOW | {"attention_bias"},
     "llama": {"attention_bias", "mlp_bias", "pretraining_tp"},
+    "qwen3_moe": _QWEN_WINDOW | _MOE_FIELDS | {
+        "attention_bias", "num_experts", "num_local_experts", "moe_intermediate_size",
+        "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        "shared_expert_intermediate_size",
+    },
+    "mixtral": _MOE_FIELDS | {"sliding_window", "num_local_experts", "router_jitter_noise"},
 }  # fmt: skip
 # Fields every transformers config may carry that do not change the model's computation:
 # names, token ids, dtype, output switches, generation defaults (older configs saved them all).
@@ -92,7 +112,7 @@ class _Config:
         )
 
     def required(self, name: str) -> Any:
-        if name not in self.data:
+        if self.data.get(name) is None:
             raise ValueError(
                 f"{self.source}: missing field {name!r} for model_type={self.model_type}"
             )
@@ -145,10 +165,52 @@ def read_hf_config(config: dict[str, Any] | str | Path) -> ModelArchitecture:
         # Qwen2's q/k/v projections always carry biases (its config has no switch for it).
         qkv_bias=c.model_type == "qwen2" or bool(c.get("attention_bias", False)),
         linear_bias=bool(c.get("mlp_bias", False)),
-        qk_layernorm=c.model_type == "qwen3",
+        qk_layernorm=c.model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         init_method_std=float(c.get("initializer_range", 0.02)),
         **rope,
+        **(_moe(c) if c.model_type in MOE_MODEL_TYPES else {}),
+    )
+
+
+def _moe(c: _Config) -> dict[str, Any]:
+    """The experts of `qwen3_moe` and `mixtral`: every decoder layer a top-k routed mixture
+    of SwiGLU experts with a bias-free linear router and no shared expert."""
+    if c.model_type == "mixtral":
+        if float(c.get("router_jitter_noise", 0.0)) != 0.0:
+            c.refuse("router_jitter_noise", "router noise is not reproduced; set it to 0.0")
+        # Mixtral's experts are `intermediate_size` wide; softmax, top-k, renormalised.
+        ffn, renormalise = c.required("intermediate_size"), True
+    else:
+        if c.get("shared_expert_intermediate_size", 0):
+            c.refuse("shared_expert_intermediate_size", "shared experts are not supported")
+        if c.get("mlp_only_layers", []):
+            c.refuse("mlp_only_layers", "dense layers among the MoE layers are not supported")
+        if c.get("decoder_sparse_step", 1) != 1:
+            c.refuse("decoder_sparse_step", "only every layer a MoE layer (1) is supported")
+        ffn, renormalise = c.required("moe_intermediate_size"), bool(c.get("norm_topk_prob"))
+    # transformers names the count `num_local_experts` for both families; Qwen's own
+    # configs spell it `num_experts`.
+    if "num_experts" in c.data and "num_local_experts" in c.data:
+        if c.data["num_experts"] != c.data["num_local_experts"]:
+            c.refuse(
+                "num_experts", f"it differs from num_local_experts={c.data['num_local_experts']}"
+            )
+    experts = c.get("num_local_experts") or c.required("num_experts")
+    topk = c.required("num_experts_per_tok")
+    if not 1 <= topk <= experts:
+        c.refuse("num_experts_per_tok", f"expected between 1 and the {experts} experts")
+    if topk == 1 and renormalise:
+        c.refuse(
+            "num_experts_per_tok",
+            "one renormalised expert has weight 1 and its router no gradient (megatron-core "
+            "refuses top-1 without a softmax over every expert)",
+        )
+    return dict(
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_ffn_hidden_size=ffn,
+        moe_router_pre_softmax=not renormalise,
     )
 
 
@@ -202,6 +264,12 @@ def _check_sliding_window(c: _Config) -> None:
                 "is not supported",
             )
         return
+    if c.model_type == "mixtral":  # no switch: a window is applied on every layer (Mistral's)
+        c.refuse(
+            "sliding_window",
+            f"sliding-window attention (window {window} < "
+            "max_position_embeddings) is not supported",
+        )
     if c.get("use_sliding_window", False) and c.get("max_window_layers", 0) < c.required(
         "num_hidden_layers"
     ):

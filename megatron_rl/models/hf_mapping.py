@@ -1,4 +1,5 @@
-"""Hugging Face <-> Megatron names and tensor layouts for Qwen2/Qwen3/Llama-family models.
+"""Hugging Face <-> Megatron names and tensor layouts for Qwen2/Qwen3/Llama-family models and
+the Qwen3-MoE / Mixtral mixtures of experts.
 
 This is the one place that knows how HF tensors map onto megatron-core's GPTModel; the
 checkpoint converters and the Megatron -> vLLM weight sync build on it.
@@ -15,6 +16,16 @@ Megatron layouts (per TP rank r of tp ranks):
 
 Layer names are local to a pipeline chunk (`decoder.layers.0` is the chunk's first layer);
 `layer_offset` turns them into global HF indices.
+
+Experts (MoE layers): `mlp.router.weight` [experts, hidden] is replicated; each rank of the
+expert-parallel group holds experts/EP of them, local expert j being global expert
+ep_rank * experts/EP + j, each split over the expert-TP (ETP) group like a dense MLP
+(`linear_fc1` = [gate_r; up_r], `linear_fc2` by columns). Two Megatron namings hold them:
+megatron-core's local spec (`SequentialMLP`: `mlp.experts.local_experts.{j}.linear_fc1.weight`)
+and Transformer Engine's grouped GEMM (`TEGroupedMLP`: `mlp.experts.linear_fc1.weight{j}`).
+HF names: Qwen3-MoE `mlp.gate` / `mlp.experts.{e}.gate_proj|up_proj|down_proj`, Mixtral
+`block_sparse_moe.gate` / `block_sparse_moe.experts.{e}.w1|w3|w2` (gate, up, down), as
+transformers' `save_pretrained` writes them.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +62,67 @@ _ROW_BIAS = {
 }
 # Non-parameter buffers older Llama checkpoints saved; recomputed from the config.
 _BUFFER = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+# An expert's weight in either Megatron naming: (local expert, fc1|fc2).
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(\d+)\.linear_(fc[12])\.weight"
+    r"|linear_(fc[12])\.weight(\d+))$"
+)
+# model_type -> (router, per-expert prefix, its gate / up / down projections), per layer.
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+}
+
+
+@dataclass(frozen=True)
+class ShardCoords:
+    """Where a rank's shards sit: its TP rank of `tp`, and for experts its expert-TP rank of
+    `etp` and expert-parallel rank of `ep`."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    etp_rank: int = 0
+    etp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+
+    @classmethod
+    def current(cls) -> ShardCoords:
+        """This rank's, from megatron-core's parallel state."""
+        # why: megatron-core takes seconds to import: loaded on first use
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_model_parallel_rank(),
+            ps.get_expert_model_parallel_world_size(),
+        )
+
+
+def _expert(suffix: str) -> tuple[int, str] | None:
+    """(local expert index, "fc1"/"fc2") of an expert weight's layer suffix, else None."""
+    m = _EXPERT.match(suffix)
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        return int(m.group(1)), m.group(2)
+    return int(m.group(4)), m.group(3)
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether Megatron parameter `name` belongs to one expert (split over ETP, not TP, and
+    held by one EP rank)."""
+    match = _LAYER.match(name)
+    return match is not None and _expert(match.group(2)) is not None
+
+
+def _expert_hf_names(arch: ModelArchitecture, prefix: str, expert: int) -> tuple[str, str, str]:
+    """HF names of global expert `expert`'s gate, up and down weights under layer `prefix`."""
+    _, experts, projections = _MOE_NAMES[arch.model_type]
+    return tuple(f"{prefix}{experts}.{expert}.{p}.weight" for p in projections)
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchitecture):
@@ -94,15 +167,15 @@ def megatron_shard_from_hf(
     name: str,
     get_hf: Callable[[str], torch.Tensor],
     arch: ModelArchitecture,
-    tp_rank: int,
-    tp_size: int,
+    coords: ShardCoords,
     layer_offset: int = 0,
 ) -> torch.Tensor:
-    """The local TP shard of Megatron parameter `name`, built from HF tensors.
+    """The local shard of Megatron parameter `name` at `coords`, built from HF tensors.
 
     `get_hf(hf_name)` returns a full HF tensor. Raises KeyError for a name this mapping does
     not know, so nothing is silently left at its random initialisation.
     """
+    tp_rank, tp_size = coords.tp_rank, coords.tp
 
     def column(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp_size, dim=0)[tp_rank]
@@ -140,6 +213,16 @@ def megatron_shard_from_hf(
         return row(get_hf(prefix + "mlp.down_proj.weight"))
     if suffix in _ROW_BIAS:  # added after the row-parallel reduction: whole on every rank
         return get_hf(prefix + _ROW_BIAS[suffix])
+    if arch.is_moe and suffix == "mlp.router.weight":
+        return get_hf(prefix + _MOE_NAMES[arch.model_type][0])
+    expert = _expert(suffix) if arch.is_moe else None
+    if expert is not None:
+        local, fc = expert
+        per_rank = arch.num_moe_experts // coords.ep
+        gate, up, down = _expert_hf_names(arch, prefix, coords.ep_rank * per_rank + local)
+        if fc == "fc1":
+            return fc1_shard(get_hf(gate), get_hf(up), coords.etp_rank, coords.etp)
+        return get_hf(down).chunk(coords.etp, dim=1)[coords.etp_rank]
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
@@ -148,9 +231,12 @@ def hf_tensors_from_megatron(
     shards: list[torch.Tensor],
     arch: ModelArchitecture,
     layer_offset: int = 0,
+    expert_offset: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Inverse of `megatron_shard_from_hf`: all TP shards of one Megatron parameter (in TP
-    rank order) -> the HF tensors it holds, vocabulary padding removed.
+    rank order; for an expert, its expert-TP shards) -> the HF tensors it holds, vocabulary
+    padding removed. `expert_offset`: the global index of this rank's first local expert
+    (ep_rank * experts / EP).
 
     Norm weights are replicated: shard 0 is taken. Raises KeyError for unknown names.
     """
@@ -184,6 +270,16 @@ def hf_tensors_from_megatron(
         return {prefix + "mlp.down_proj.weight": torch.cat(shards, dim=1)}
     if suffix in _ROW_BIAS:
         return {prefix + _ROW_BIAS[suffix]: shards[0]}
+    if arch.is_moe and suffix == "mlp.router.weight":
+        return {prefix + _MOE_NAMES[arch.model_type][0]: shards[0]}
+    expert = _expert(suffix) if arch.is_moe else None
+    if expert is not None:
+        local, fc = expert
+        gate, up, down = _expert_hf_names(arch, prefix, expert_offset + local)
+        if fc == "fc1":
+            gate_t, up_t = split_fc1_shards(shards)
+            return {gate: gate_t, up: up_t}
+        return {down: torch.cat(shards, dim=1)}
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {name!r}")
 
 
@@ -211,11 +307,22 @@ def expected_hf_shapes(arch: ModelArchitecture, role: str = "actor") -> dict[str
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
                 p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (ffn, h),
-                p + "mlp.up_proj.weight": (ffn, h),
-                p + "mlp.down_proj.weight": (h, ffn),
             }
         )
+        if arch.is_moe:
+            shapes[p + _MOE_NAMES[arch.model_type][0]] = (arch.num_moe_experts, h)
+            moe_ffn = arch.moe_ffn_hidden_size
+            for e in range(arch.num_moe_experts):
+                gate, up, down = _expert_hf_names(arch, p, e)
+                shapes.update({gate: (moe_ffn, h), up: (moe_ffn, h), down: (h, moe_ffn)})
+        else:
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (ffn, h),
+                    p + "mlp.up_proj.weight": (ffn, h),
+                    p + "mlp.down_proj.weight": (h, ffn),
+                }
+            )
         if arch.linear_bias:
             shapes.update(
                 {
@@ -340,19 +447,15 @@ def load_hf_into_megatron(
     parameter not named in `skip` must be mapped and shape-matched; a mismatch names the
     parameter and both shapes. Tensors are read one at a time (one layer's worth at most).
     """
-    # why: megatron-core takes seconds to import: loaded on first use
-    from megatron.core import parallel_state
-
     reader = source if callable(source) else HFCheckpointReader(source)
     check_every_tensor_is_mapped(reader, arch)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    coords = ShardCoords.current()
     for chunk in model_chunks:
         offset = layer_offset(chunk)
         for name, param in chunk.named_parameters():
             if name in skip:
                 continue
-            shard = megatron_shard_from_hf(name, reader, arch, tp_rank, tp_size, offset)
+            shard = megatron_shard_from_hf(name, reader, arch, coords, offset)
             if shard.shape != param.shape:
                 raise ValueError(
                     f"{reader.hf_dir}: parameter {name} expects shape {tuple(param.shape)}, "
@@ -369,17 +472,24 @@ def unwrap(chunk):
 def export_hf_tensors(
     chunks: list, arch: ModelArchitecture, *, grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for this rank's pipeline stage, TP shards gathered.
+    """Yield (HF name, full tensor) for this rank's pipeline stage, TP shards gathered, and
+    for a MoE model every expert: its expert-TP shards gathered, then each expert-parallel
+    rank's experts.
 
     grads=True yields the reduced gradients (DDP's main_grad) instead of the weights. A
     critic's value head is yielded as `score.weight`, as in HF sequence classification.
-    Every TP rank of the stage yields the same tensors.
+    Every rank of the stage (all its TP, and EP, ranks) yields the same tensors.
     """
     # why: megatron-core takes seconds to import: loaded on first use
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
+    tp_group, etp_group = ps.get_tensor_model_parallel_group(), None
+    if arch.is_moe:
+        etp_group, ep_group = (
+            ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_model_parallel_group(),
+        )
+        ep = ep_group.size()
     for chunk in chunks:
         model = unwrap(chunk)
         offset = layer_offset(model)
@@ -388,9 +498,26 @@ def export_hf_tensors(
             if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
                 yield "score.weight", tensor.clone()
                 continue
-            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-                shards = [torch.empty_like(tensor) for _ in range(tp_size)]
-                torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
-            else:
-                shards = [tensor]
-            yield from hf_tensors_from_megatron(name, shards, arch, offset).items()
+            expert = arch.is_moe and is_expert_param(name)
+            shards = [tensor]
+            if getattr(param, "tensor_model_parallel", False):
+                shards = _all_gather(tensor, etp_group if expert else tp_group)
+            if not expert:
+                yield from hf_tensors_from_megatron(name, shards, arch, offset).items()
+                continue
+            # each EP rank's shards of its own local expert
+            by_rank = zip(*(_all_gather(s, ep_group) for s in shards), strict=True)
+            per_rank = arch.num_moe_experts // ep
+            for r, rank_shards in enumerate(by_rank):
+                yield from hf_tensors_from_megatron(
+                    name, list(rank_shards), arch, offset, expert_offset=r * per_rank
+                ).items()
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """`tensor` from every rank of `group`, in rank order (no copy in a group of one)."""
+    if group.size() == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(out, tensor.contiguous(), group=group)
+    return out

@@ -18,6 +18,13 @@ megatron-core untouched. The patches (each tied to a call site in megatron-core 
 5. Activation recompute (`tensor_parallel.random.CheckpointFunction`) saves and restores the
    CUDA generator's state next to the CPU one; on CPU the CPU generator is the only one, and
    the same function already saves and restores it, so the CUDA half becomes a no-op.
+6. The MoE alltoall token dispatcher (`MoEAlltoAllTokenDispatcher`) creates a CUDA stream at
+   construction and copies its split sizes to the host on it: on CPU no stream is made, and
+   the split sizes become the NumPy arrays the CUDA path hands to `all_to_all` (left as
+   tensors, gloo's all_to_all_single takes them as tensors and fails).
+
+`define_missing_te_names()` is separate, and applied on CUDA too: megatron's MoE router
+tests `te_general_gemm is not None`, a name only defined when Transformer Engine imports.
 
 What is left out: fp16/bf16 optimizer wrappers and the distributed optimizer, which check for
 `torch.cuda.*Tensor` types; on CPU we train in fp32 with `use_distributed_optimizer=False`.
@@ -103,6 +110,27 @@ def _clip_grad_by_total_norm_fp32(
                 grad.detach().mul_(clip_coeff)
 
 
+def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` on CPU: the tensors already
+    are on the host; the split sizes become arrays at the point the CUDA path copies them."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def define_missing_te_names() -> None:
+    """Define megatron's MoE router's `te_general_gemm` as None when Transformer Engine is
+    absent (its import failed, so the name was never bound and the router raises NameError).
+    Harmless with TE, where the name exists. CPU or GPU alike."""
+    from megatron.core.transformer.moe import moe_utils  # why: megatron loads late
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply() -> bool:
     """Patch megatron-core for CPU execution when CUDA is absent.
 
@@ -125,6 +153,7 @@ def apply() -> bool:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     check_megatron_version(megatron_version)
     torch.cuda.current_device = lambda: "cpu"
@@ -151,6 +180,8 @@ def apply() -> bool:
         0, dtype=torch.uint8, device="cpu"
     )
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"  # never None: not made
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_without_streams
 
     _APPLIED = True
     return True

@@ -8,8 +8,10 @@
 4. builds Megatron's TP/PP/DP groups (`parallel_state.initialize_model_parallel`),
 5. seeds torch and Megatron's model-parallel RNG tracker.
 
-Context parallelism and expert parallelism stay at 1 for now; the layout carries the
-fields so callers do not change when they arrive.
+Context parallelism stays at 1 for now; the layout carries the field so callers do not
+change when it arrives. Expert parallelism (mixture-of-experts models) splits each MoE layer's
+experts over `expert_model_parallel_size` ranks; megatron-core lays the expert groups over
+the same world as tp(=ETP)-ep-dp-pp (docs/layouts.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class ShardableModel(Protocol):
     """What a layout checks of a model (`models.architecture.ModelArchitecture` is one): a
     protocol, so the parallel layer needs nothing from the models above it."""
 
-    def check_divisible(self, tp: int, layer_chunks: int) -> None: ...
+    is_moe: bool
+
+    def check_divisible(self, tp: int, layer_chunks: int, etp: int = 1, ep: int = 1) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class ParallelLayout:
     """Shard activations outside attention/MLP along the sequence across the TP group."""
     context_parallel_size: int = 1
     """CP: reserved; must be 1 in this version."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks that each hold a slice of every MoE layer's experts (tokens travel to them)."""
+    expert_tensor_parallel_size: int | None = None
+    """ETP: ranks that shard each expert's matrices; None = tensor_model_parallel_size
+    (megatron-core's default). ETP 1 with EP > 1 is what verl, NeMo-RL and slime run."""
     distributed_timeout_minutes: float = 30.0
     """How long any collective may wait for its peers before it fails on its rank (every
     process group's timeout; Megatron-LM's name). A collective waits for the slowest rank's
@@ -65,6 +74,11 @@ class ParallelLayout:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // self.model_parallel_size
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP as megatron-core resolves it (None -> TP)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def validate(self, world_size: int, arch: ShardableModel | None = None) -> None:
         """Raise ValueError, naming the numbers, if this layout cannot run.
 
@@ -72,10 +86,13 @@ class ParallelLayout:
         """
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         vpp, cp = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_size
         for name, value in (
             ("tensor_model_parallel_size", tp),
             ("pipeline_model_parallel_size", pp),
             ("context_parallel_size", cp),
+            ("expert_model_parallel_size", ep),
+            ("expert_tensor_parallel_size", etp),
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -102,8 +119,25 @@ class ParallelLayout:
             raise ValueError(
                 f"sequence_parallel=True needs tensor_model_parallel_size >= 2, got {tp}"
             )
-        if arch is not None:
-            arch.check_divisible(tp, pp * (vpp or 1))
+        if world_size % (etp * ep * pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by expert_tensor_parallel_size * "
+                f"expert_model_parallel_size * pipeline_model_parallel_size = "
+                f"{etp} * {ep} * {pp} = {etp * ep * pp}"
+            )
+        if arch is None:
+            return
+        if not arch.is_moe and (ep > 1 or self.expert_tensor_parallel_size is not None):
+            raise ValueError(
+                "expert_model_parallel_size / expert_tensor_parallel_size are set but the "
+                "model is dense (no experts)"
+            )
+        if arch.is_moe and tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} with a mixture-of-experts model needs "
+                "sequence_parallel=True (megatron-core's MoE layer refuses to train without it)"
+            )
+        arch.check_divisible(tp, pp * (vpp or 1), etp, ep)
 
 
 @dataclass(frozen=True)
@@ -162,6 +196,7 @@ def initialize(
     layout.validate(world_size, arch)
 
     compat = cpu_compat.apply()
+    cpu_compat.define_missing_te_names()
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
@@ -191,6 +226,8 @@ def initialize(
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         distributed_timeout_minutes=layout.distributed_timeout_minutes,
         # On CPU the default group already is gloo; duplicates would only cost sockets.
         create_gloo_process_groups=use_cuda,

@@ -42,7 +42,7 @@ def hf_to_megatron(hf, out, tp=1, pp=1, *extra, check=True):
     )
 
 
-def megatron_to_hf(ckpt, out, tp=1, pp=1):
+def megatron_to_hf(ckpt, out, tp=1, pp=1, *extra):
     return convert(
         "checkpoints_convert.megatron_to_hf",
         "--ckpt-dir",
@@ -53,11 +53,12 @@ def megatron_to_hf(ckpt, out, tp=1, pp=1):
         str(tp),
         "--pp",
         str(pp),
+        *extra,
     )
 
 
-def verify(hf, ckpt, tp=1, pp=1, outputs=None):
-    extra = ["--outputs", str(outputs)] if outputs else []
+def verify(hf, ckpt, tp=1, pp=1, outputs=None, experts=()):
+    extra = [*experts, *(["--outputs", str(outputs)] if outputs else [])]
     r = convert(
         "checkpoints_convert.verify",
         "--hf-dir",
@@ -89,6 +90,10 @@ def assert_bit_identical(a_dir, b_dir):
         ("tied", (2, 2), (1, 2)),
         # Qwen3: the q/k norms through megatron's sharded checkpoint, head_dim != hidden/heads.
         ("qwen3", (2, 1), (1, 2)),
+        # Experts saved split over EP (4 per rank), loaded whole on two pipeline stages; and
+        # saved split over expert-TP (TP2+SP), loaded at EP2 with the dense part whole.
+        ("qwen3-moe", (1, 1, "--ep", "2"), (1, 2)),
+        ("mixtral", (2, 1), (1, 1, "--ep", "2")),
     ],
 )
 def test_round_trip_is_bit_identical(
@@ -102,6 +107,15 @@ def test_round_trip_is_bit_identical(
         (hf / "config.json").read_text()
     )
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dirs left
+
+
+def test_a_moe_checkpoint_saved_at_ep2_gives_transformers_logits_at_tp2_ep2(family_dir, tmp_path):
+    """Experts saved over EP=2 and loaded at TP=2+SP with EP=2 and expert-TP 1: the logits of
+    the checkpoint, resharded, are transformers' (softmax over every expert, no renormalising)."""
+    hf = family_dir("qwen3-moe-nonorm")
+    hf_to_megatron(hf, tmp_path / "mcore", 1, 1, "--ep", "2")
+    result = verify(hf, tmp_path / "mcore", 2, 1, experts=["--ep", "2", "--etp", "1"])
+    assert result["ok"] and result["layout"] == "TP2PP1EP2ETP1" and result["mismatched"] == 0
 
 
 @pytest.fixture(scope="module")

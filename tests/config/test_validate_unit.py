@@ -70,6 +70,15 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
     validate_config(bf16, 2)
 
 
+def test_expert_parallelism_of_a_dense_model_and_moe_training_are_refused(
+    tiny_model_dir, family_dir
+):
+    with pytest.raises(ConfigError, match="expert_model_parallel_size .* the model is dense"):
+        validate_config(config_for(tiny_model_dir, "parallel.expert_model_parallel_size=2"), 2)
+    with pytest.raises(ConfigError, match="model_type=qwen3_moe is a mixture of experts"):
+        validate_config(config_for(family_dir("qwen3-moe")), 2)
+
+
 def test_parameter_offload_of_a_model_the_run_does_not_have_is_refused(tiny_model_dir):
     """vapo.yaml: a critic, no reference (kl_coef 0)."""
     every = ("actor.param_offload=true", "critic.param_offload=true")

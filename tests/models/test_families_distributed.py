@@ -1,8 +1,10 @@
 """Distributed tier: every supported Hugging Face family (tests/families.py) gives
-transformers' logits in Megatron at TP=1, TP=2 and TP=2 with sequence parallelism, on 96
-tokens (past the 64- and 32-token original contexts of the Llama-3.1/3.2 and yarn rows), and
-exports back to exactly the tensors it was loaded from. The engine side: vLLM greedy-decodes
-the new families as transformers does."""
+transformers' logits in Megatron at TP=1, TP=2 and TP=2 with sequence parallelism (mixtures
+of experts: TP=1, EP=2 with the alltoall and the allgather dispatcher, TP=2+SP with the
+experts split over expert-TP, TP=2+SP with EP=2), on 96 tokens (past the 64- and 32-token
+original contexts of the Llama-3.1/3.2 and yarn rows), and exports back to exactly the
+tensors it was loaded from. The engine side: vLLM greedy-decodes the new families as
+transformers does."""
 
 import json
 import subprocess
@@ -14,8 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_rl.launch import run_torchrun
 from megatron_rl.models.hf_mapping import HFCheckpointReader
-from tests.families import SUPPORTED
+from tests.families import MOE, SUPPORTED
 from tests.tolerances import FP32_MODEL, assert_close
+from tests.torchrun.family_logits import DENSE
+from tests.torchrun.family_logits import MOE as MOE_SPLITS
 
 pytestmark = pytest.mark.distributed
 
@@ -44,7 +48,7 @@ def test_megatron_logits_equal_transformers_at_every_split(results, family_dir, 
     r = results[family]
     expected = hf_logits(family_dir(family), r["tokens"])
     assert expected.abs().max() > 0.1  # not a degenerate all-zero comparison
-    for split in ("tp1", "tp2", "tp2_sp"):
+    for split in MOE_SPLITS if family in MOE else DENSE:
         assert_close(r[split], expected, FP32_MODEL, f"{family} {split}")
 
 
@@ -70,6 +74,7 @@ def test_rope_scaling_changes_the_logits_it_is_checked_on(results, family_dir, f
 
 GREEDY_FAMILIES = [
     "qwen2.5", "qwen3", "llama-3.1", "llama-biases", "llama-linear-rope", "qwen3-yarn",
+    "qwen3-moe", "mixtral",
 ]  # fmt: skip
 
 

@@ -49,6 +49,49 @@ QWEN2_5_7B = {
     "use_sliding_window": False, "vocab_size": 152064,
 }  # fmt: skip
 
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+
+
+def test_published_moe_configs_read_exactly():
+    qwen = read_hf_config(QWEN3_30B_A3B)
+    assert (qwen.num_moe_experts, qwen.moe_router_topk, qwen.moe_ffn_hidden_size) == (128, 8, 768)
+    assert qwen.qk_layernorm and qwen.head_dim == 128 and not qwen.moe_router_pre_softmax
+    mixtral = read_hf_config(MIXTRAL_8X7B)
+    assert (mixtral.num_moe_experts, mixtral.moe_router_topk) == (8, 2)
+    assert mixtral.moe_ffn_hidden_size == 14336 and not mixtral.moe_router_pre_softmax
+    assert not mixtral.qk_layernorm and not mixtral.qkv_bias
+
+
+def test_both_spellings_of_the_expert_count_and_of_renormalisation():
+    """transformers writes `num_local_experts` for Qwen3-MoE too; without `norm_topk_prob`
+    the top-k softmax probabilities are used as they are (softmax before the top-k)."""
+    respelled = changed(QWEN3_30B_A3B, num_local_experts=128)
+    del respelled["num_experts"]
+    assert read_hf_config(respelled) == read_hf_config(QWEN3_30B_A3B)
+    assert read_hf_config(changed(QWEN3_30B_A3B, norm_topk_prob=False)).moe_router_pre_softmax
+
 
 def test_published_configs_read_exactly():
     llama = read_hf_config(LLAMA_3_1_8B)
@@ -185,8 +228,25 @@ REFUSED = [
     ),
     (changed(QWEN3_8B, quantization_config={"quant_method": "fp8"}), r"quantization_config="),
     (changed(QWEN2_5_7B, attention_bias=True), r"attention_bias=True .* does not read"),
-    (changed(QWEN3_8B, model_type="qwen3_moe"), r"qwen3_moe.*mixture-of-experts"),
-    (changed(LLAMA_3_1_8B, model_type="mixtral"), r"mixtral.*mixture-of-experts"),
+    (changed(QWEN3_8B, model_type="qwen2_moe"), r"qwen2_moe.*shared expert"),
+    (changed(QWEN3_8B, model_type="deepseek_v3"), r"deepseek_v3.*latent attention"),
+    (
+        changed(QWEN3_30B_A3B, shared_expert_intermediate_size=768),
+        r"shared_expert_intermediate_size=768 .* shared experts",
+    ),
+    (changed(QWEN3_30B_A3B, mlp_only_layers=[0, 47]), r"mlp_only_layers=\[0, 47\] .* dense layers"),
+    (changed(QWEN3_30B_A3B, decoder_sparse_step=2), r"decoder_sparse_step=2 .* every layer"),
+    (
+        changed(QWEN3_30B_A3B, num_experts_per_tok=129),
+        r"num_experts_per_tok=129 .* between 1 and the 128",
+    ),
+    (changed(QWEN3_30B_A3B, num_experts_per_tok=1), r"num_experts_per_tok=1 .* weight 1"),
+    (changed(QWEN3_30B_A3B, num_local_experts=64), r"num_experts=128 .* num_local_experts=64"),
+    (changed(QWEN3_30B_A3B, attention_bias=True), r"attention_bias=True .*add_bias_linear"),
+    (changed(MIXTRAL_8X7B, router_jitter_noise=0.1), r"router_jitter_noise=0.1 .* noise"),
+    (changed(MIXTRAL_8X7B, sliding_window=4096), r"sliding_window=4096 .* sliding-window"),
+    (changed(MIXTRAL_8X7B, num_experts=8), r"num_experts=8 .* does not read"),
+    (changed(QWEN3_30B_A3B, moe_intermediate_size=None), r"missing field 'moe_intermediate_size'"),
     (changed(LLAMA_3_1_8B, model_type="mistral"), r"mistral.*sliding-window"),
 ]
 

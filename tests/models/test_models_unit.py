@@ -8,6 +8,7 @@ import torch
 from megatron_rl.models import hf_mapping
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import ShardCoords
 
 
 def arch(**overrides):
@@ -97,7 +98,7 @@ def test_fc1_shards_hold_gate_then_up_per_rank():
 def test_unknown_megatron_name_is_an_error():
     with pytest.raises(KeyError, match="decoder.layers.0.self_attention.mystery.weight"):
         hf_mapping.megatron_shard_from_hf(
-            "decoder.layers.0.self_attention.mystery.weight", lambda n: None, arch(), 0, 1
+            "decoder.layers.0.self_attention.mystery.weight", lambda n: None, arch(), ShardCoords()
         )
 
 
@@ -107,8 +108,7 @@ def test_layer_offset_maps_local_to_global_hf_layer():
         "decoder.layers.1.input_layernorm.weight",
         lambda n: seen.append(n) or torch.ones(8),
         arch(),
-        0,
-        1,
+        ShardCoords(),
         layer_offset=2,
     )
     assert seen == ["model.layers.3.input_layernorm.weight"]
@@ -118,7 +118,7 @@ def test_tied_output_layer_reads_embeddings():
     seen = []
     get = lambda n: seen.append(n) or torch.ones(10, 8)  # noqa: E731
     out = hf_mapping.megatron_shard_from_hf(
-        "output_layer.weight", get, arch(tie_word_embeddings=True), 1, 2
+        "output_layer.weight", get, arch(tie_word_embeddings=True), ShardCoords(1, 2)
     )
     # 10 rows padded to 1024; rank 1 holds rows 512..1023, all padding.
     assert seen == ["model.embed_tokens.weight"] and out.shape == (512, 8)
@@ -155,7 +155,9 @@ def test_megatron_shards_round_trip_to_hf_tensors(tiny_model_dir):
         rebuilt = {}
         for name in names:
             shards = [
-                hf_mapping.megatron_shard_from_hf(name, reader, a, r, tp, layer_offset=2)
+                hf_mapping.megatron_shard_from_hf(
+                    name, reader, a, ShardCoords(r, tp), layer_offset=2
+                )
                 for r in range(tp)
             ]
             rebuilt.update(hf_mapping.hf_tensors_from_megatron(name, shards, a, layer_offset=2))
@@ -184,3 +186,67 @@ def test_model_source_reads_hf_directories_and_megatron_checkpoints(tiny_model_d
     # Refused before any tensor is touched: a value head cannot become a vocabulary projection.
     with pytest.raises(ValueError, match="is a critic checkpoint .* cannot start a policy"):
         ModelSource(tmp_path / "critic").load_policy([], hf.architecture())
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("naming", ["local", "grouped"])
+@pytest.mark.parametrize("tp, etp, ep", [(1, 1, 1), (2, 1, 2), (2, 2, 1), (1, 1, 4)])
+def test_expert_shards_round_trip_to_hf_tensors(family_dir, family, naming, tp, etp, ep):
+    """HF -> the expert shards of every (ETP, EP) rank -> HF is exact, in megatron-core's
+    local (SequentialMLP) and Transformer Engine grouped-GEMM namings; each EP rank holds the
+    contiguous block of experts ep_rank * E/EP + j."""
+    hf = family_dir(family)
+    a = read_hf_config(hf)
+    reader = hf_mapping.HFCheckpointReader(hf)
+    per_rank = a.num_moe_experts // ep
+
+    def names(j):
+        if naming == "local":
+            return [
+                f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc{i}.weight"
+                for i in (1, 2)
+            ]
+        return [f"decoder.layers.0.mlp.experts.linear_fc{i}.weight{j}" for i in (1, 2)]
+
+    rebuilt = {}
+    for ep_rank in range(ep):
+        for j in range(per_rank):
+            for name in names(j):
+                shards = [
+                    hf_mapping.megatron_shard_from_hf(
+                        name,
+                        reader,
+                        a,
+                        ShardCoords(r % tp, tp, r, etp, ep_rank, ep),
+                        layer_offset=1,
+                    )
+                    for r in range(etp)
+                ]
+                width = a.moe_ffn_hidden_size // etp
+                assert shards[0].shape == ((2 * width, 128) if "fc1" in name else (128, width))
+                rebuilt.update(
+                    hf_mapping.hf_tensors_from_megatron(
+                        name, shards, a, layer_offset=1, expert_offset=ep_rank * per_rank
+                    )
+                )
+    router = "decoder.layers.0.mlp.router.weight"
+    shard = hf_mapping.megatron_shard_from_hf(router, reader, a, ShardCoords(1, tp), layer_offset=1)
+    rebuilt.update(hf_mapping.hf_tensors_from_megatron(router, [shard], a, layer_offset=1))
+    expected = {
+        k
+        for k in reader.keys()
+        if k.startswith("model.layers.1.") and ("experts" in k or k.endswith("gate.weight"))
+    }
+    assert set(rebuilt) == expected and len(rebuilt) == 3 * a.num_moe_experts + 1
+    for hf_name, tensor in rebuilt.items():
+        assert torch.equal(tensor, reader(hf_name)), (hf_name, tp, etp, ep)
+
+
+def test_a_stray_expert_tensor_is_refused_by_name(family_dir, tmp_path):
+    """A checkpoint with a ninth expert the config does not announce is refused, not dropped."""
+    from tests.models.test_hf_config_unit import checkpoint_with
+
+    stray = {"model.layers.0.mlp.experts.8.up_proj.weight": torch.zeros(64, 128)}
+    hf = checkpoint_with(family_dir("qwen3-moe"), tmp_path / "hf", **stray)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) .* model.layers.0.mlp.experts.8.up_proj"):
+        hf_mapping.validate_hf_checkpoint(hf_mapping.HFCheckpointReader(hf), read_hf_config(hf))

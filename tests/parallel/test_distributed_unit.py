@@ -35,6 +35,58 @@ def test_layers_must_split_over_pipeline_chunks(tiny_model_dir):
     )
 
 
+MOE_CONFIG = {
+    "model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 128,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "num_experts": 8,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 500,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "layout, world, message",
+    [
+        (
+            dict(expert_model_parallel_size=3),
+            3,
+            "expert_model_parallel_size=3 does not divide the 8 experts",
+        ),
+        (
+            dict(
+                tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=3
+            ),
+            6,
+            "expert_tensor_parallel_size=3 does not divide the experts' intermediate size 64",
+        ),
+        (
+            dict(expert_model_parallel_size=4),
+            2,
+            r"world size 2 is not divisible by .* 1 \* 4 \* 1 = 4",
+        ),
+        (dict(tensor_model_parallel_size=2), 2, "needs sequence_parallel=True"),
+        (dict(expert_model_parallel_size=0), 2, "expert_model_parallel_size must be a positive"),
+    ],
+)
+def test_expert_layouts_are_checked_against_the_experts(layout, world, message):
+    arch = read_hf_config(MOE_CONFIG)
+    with pytest.raises(ValueError, match=message):
+        ParallelLayout(**layout).validate(world, arch)
+    # what megatron-core runs on two ranks: EP=2 (ETP 1), and TP=2+SP with EP=2, ETP=1
+    ParallelLayout(expert_model_parallel_size=2).validate(2, arch)
+    ParallelLayout(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    ).validate(2, arch)
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="the model is dense"):
+        ParallelLayout(expert_model_parallel_size=2).validate(2, read_hf_config(tiny_model_dir))
+
+
 @pytest.mark.parametrize(
     "layout, message",
     [
