@@ -12,6 +12,7 @@ that (index tensors, splits, gathered log-probs) is made on the batch's own devi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -184,7 +185,9 @@ def balanced_assignment(lengths: list[int], counts: list[int]) -> list[list[int]
     return [sorted(rows) for rows in ranks]
 
 
-def to_count_multiple(parts: list[list[int]], count_multiple: int) -> list[list[int]]:
+def to_count_multiple(
+    parts: list[list[int]], count_multiple: int, why: str = "interleaved pipeline parallelism"
+) -> list[list[int]]:
     """Split the micro-batches with the most rows in two until their number is a multiple of
     `count_multiple` (megatron's interleaved schedule runs micro-batches in groups of the
     pipeline size); halves stay within the budget."""
@@ -193,11 +196,19 @@ def to_count_multiple(parts: list[list[int]], count_multiple: int) -> list[list[
         i = max(range(len(parts)), key=lambda j: len(parts[j]))
         if len(parts[i]) < 2:
             raise ValueError(
-                f"{len(parts)} rows cannot make a multiple of {count_multiple} micro-batches "
-                "(interleaved pipeline parallelism)"
+                f"{sum(map(len, parts))} rows cannot make a multiple of {count_multiple} "
+                f"micro-batches ({why})"
             )
         half = len(parts[i]) // 2
         parts[i : i + 1] = [parts[i][:half], parts[i][half:]]
+    return parts
+
+
+def to_count(parts: list[list[int]], count: int, why: str) -> list[list[int]]:
+    """`parts` split (largest first, as `to_count_multiple`) into exactly `count` micro-batches,
+    `count` >= their number."""
+    while len(parts) < count:
+        parts = to_count_multiple(parts, len(parts) + 1, why)
     return parts
 
 
@@ -207,12 +218,15 @@ def split_micro_batches(
     max_tokens: int | None = None,
     multiple: int = 1,
     count_multiple: int = 1,
+    agree: Callable[[int], int] | None = None,
 ) -> tuple[list[TrainingBatch], torch.Tensor | None]:
     """(micro-batches, row order). Without `max_tokens`: `num_microbatches` equal slices
     padded to one length, a multiple of `multiple`; order None (the rows stay in place).
     With it: `token_budget_partition`, made `count_multiple` micro-batches long
     (`to_count_multiple`), each cut to its own padded length; order [B] is the batch row of
-    each row of the concatenated micro-batches."""
+    each row of the concatenated micro-batches. `agree(count) -> count`: the number every
+    rank must run when they must run the same (expert parallelism: each micro-batch's MoE
+    layers exchange tokens with the other data-parallel ranks), the largest split to it."""
     if max_tokens is None:
         return batch.padded_to_multiple(multiple).split(num_microbatches), None
     if num_microbatches != 1:
@@ -222,6 +236,8 @@ def split_micro_batches(
         )
     lengths = batch.sequence_lengths().tolist()
     parts = to_count_multiple(token_budget_partition(lengths, max_tokens, multiple), count_multiple)
+    if agree is not None:
+        parts = to_count(parts, agree(len(parts)), "as many as another data-parallel rank")
     device = batch.input_ids.device
     micro = [
         batch.rows(torch.tensor(rows, device=device)).with_length(

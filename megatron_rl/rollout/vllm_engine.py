@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 
 from megatron_rl.preemption import StepAborted
+from megatron_rl.rollout import vllm_cpu_experts
 
 ABORT_CHECK_STEPS = 8
 """Engine steps (one decode step, or one prefill chunk, each) between stop checks: the
@@ -282,6 +283,13 @@ class VLLMEngine:
                 "run that was killed: remove the stale /dev/shm/*cpushm* files of your user "
                 "(megatron_rl's trainer removes those its own killed runs left)"
             ) from e
+        if on_cpu:
+            problems = [
+                p for p in self.llm.collective_rpc(vllm_cpu_experts.unreloadable_experts) if p
+            ]
+            if problems:
+                self.shutdown()
+                raise ValueError(f"{model_dir}: {problems[0]}")
 
     def shutdown(self) -> None:
         """Release the engine and its process groups now (vLLM would otherwise do it from a
@@ -324,13 +332,15 @@ class VLLMEngine:
     def update_weights(self, weights) -> None:
         """Reload weights in place from an iterator of (HF name, tensor), streamed (vLLM's
         loader fuses and shards them for its TP); then drop the prefix cache built from the
-        old weights."""
+        old weights. On CPU, MoE experts are prepacked again (`vllm_cpu_experts`)."""
 
         self._require_awake("weights", use="take weights")
         self._park()
 
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=weights)
+            if not torch.cuda.is_available():
+                vllm_cpu_experts.repack_experts(worker)
 
         self.llm.collective_rpc(reload)
         self.reset_prefix_cache()

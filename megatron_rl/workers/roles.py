@@ -13,7 +13,12 @@ import torch
 from megatron_rl.data.batch import TrainingBatch, split_micro_batches
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig, sequence_multiple
-from megatron_rl.parallel.collectives import data_parallel_sum, global_token_counts
+from megatron_rl.parallel import distributed
+from megatron_rl.parallel.collectives import (
+    data_parallel_max,
+    data_parallel_sum,
+    global_token_counts,
+)
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.offload import ParamOffload
 from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
@@ -29,6 +34,10 @@ BATCH_SHARES = frozenset({
 the whole DP-global mini-batch (global token or sequence counts): the losses, and token means
 (`algorithms.losses.token_mean`). Summed over micro-batches and DP ranks they are the
 mini-batch's loss or mean, the numbers verl and OpenRLHF log."""
+
+
+def _max_over_data_parallel(count: int) -> int:
+    return int(data_parallel_max(torch.tensor([count], device=distributed.device())).item())
 
 
 class MegatronRole:
@@ -76,8 +85,12 @@ class MegatronRole:
         self._params_away.restore()
 
     def split(self, batch: TrainingBatch, num_microbatches: int, max_tokens: int | None):
+        # With expert parallelism every micro-batch's MoE layers exchange tokens with the
+        # other data-parallel ranks: a rank whose token budget made fewer micro-batches
+        # would leave the others waiting in an all-to-all. All run the largest count.
+        agree = _max_over_data_parallel if self.layout.expert_model_parallel_size > 1 else None
         return split_micro_batches(
-            batch, num_microbatches, max_tokens, self.seq_multiple, self.count_multiple
+            batch, num_microbatches, max_tokens, self.seq_multiple, self.count_multiple, agree
         )
 
     @torch.no_grad()

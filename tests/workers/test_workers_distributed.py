@@ -216,3 +216,44 @@ def test_a_rewind_undoes_the_updates_since_the_snapshot_bit_for_bit(tiny_model_d
     assert s["redone_metrics"] and s["redone_state"]
     assert s["lr_rewound"] == s["lr_after_two"]
     assert s["host_buffers_reused"] and s["host_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def moe_results(family_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("workers_moe")
+    args = ["--hf-dir", str(family_dir("qwen3-moe")), "--out-dir", str(out), "--layouts"]
+    run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1"], nproc=1)
+    run_torchrun("tests.torchrun.actor_critic", [*args, "ep2,ep2-tok,tp2-sp-ep2"], nproc=2)
+    merged = {name: merge(out, name) for name in ["dp1-mb1", "ep2", "ep2-tok", "tp2-sp-ep2"]}
+    ranks = [torch.load(f, map_location="cpu") for f in sorted(out.glob("ep2-tok.rank*.pt"))]
+    merged["ep2-tok"]["micro_batches"] = [r["metrics"]["critic"]["micro_batches"] for r in ranks]
+    return merged
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep2-tok", "tp2-sp-ep2"])
+def test_moe_gradients_at_ep2_equal_those_at_ep1(moe_results, layout):
+    """Experts split over two ranks (alltoall), with token budgets, and with TP=2+SP: the
+    gradient of every expert, router and dense tensor is the one-process gradient."""
+    for loss in ("token-mean+nll", "entropy+kl"):
+        reference = moe_results["dp1-mb1"]["grads"][loss]
+        assert len(reference) == 2 * (8 + 1 + 3 * 8) + 3  # every expert's too
+        assert relative_max_diff(reference, moe_results[layout]["grads"][loss]) <= 1e-5
+    reference = moe_results["dp1-mb1"]["critic_grads"]
+    assert relative_max_diff(reference, moe_results[layout]["critic_grads"]) <= 1e-5
+    reference = moe_results["dp1-mb1"]["logprobs"]
+    if layout.endswith("-tok"):  # each micro-batch stops at its rows' last response token
+        reference = torch.where(moe_results[layout]["logprobs"] == 0, 0.0, reference)
+    assert_close(moe_results[layout]["logprobs"], reference, FP32_MODEL)
+
+
+def test_token_budgets_at_ep2_run_as_many_micro_batches_on_every_rank(moe_results, family_dir):
+    """The two data-parallel ranks' rows need different numbers of micro-batches under the
+    budget (so `ep2-tok` above would wait forever in an all-to-all without the agreement):
+    both run the larger number."""
+    from megatron_rl.data.batch import token_budget_partition
+    from tests.torchrun.actor_critic import TOKEN_BUDGET, global_batch
+
+    lengths = global_batch(read_hf_config(family_dir("qwen3-moe")).vocab_size).sequence_lengths()
+    counts = [len(token_budget_partition(h.tolist(), TOKEN_BUDGET)) for h in lengths.chunk(2)]
+    assert counts[0] != counts[1]
+    assert moe_results["ep2-tok"]["micro_batches"] == [max(counts)] * 2
