@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.models.dist_checkpoint import OPTIMIZER_KEY
+
 
 def role_tensors(step_dir: Path, role: str) -> dict[str, torch.Tensor] | None:
     """The full (unsharded) tensors of a role's distributed checkpoint in `step_dir`: the
@@ -23,7 +25,7 @@ def role_tensors(step_dir: Path, role: str) -> dict[str, torch.Tensor] | None:
 
 
 def model_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    return {k: v for k, v in tensors.items() if not OPTIMIZER_KEY.match(k)}
 
 
 def same_weights(a: dict | None, b: dict | None) -> bool:

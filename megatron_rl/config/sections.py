@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from megatron_rl.config.loader import items_parsed_by
-from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
+from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
@@ -48,6 +48,9 @@ class ModelConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     """Activation recompute of the actor and critic (megatron's recompute_granularity)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """How a mixture-of-experts policy routes and dispatches (megatron-core's `moe_*` names);
+    the experts themselves come from the checkpoint's config."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, estimator_traits
 from megatron_rl.config.loader import ConfigError
 from megatron_rl.config.run import TrainConfig
+from megatron_rl.models.gpt import MoEConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.replica import RolloutLayout
 from megatron_rl.workers.optimizer import OptimConfig, resolve_lr_decay_steps
@@ -150,12 +151,16 @@ def check_layout(config: TrainConfig, world_size: int) -> int:
     """The parallel layout against the model and the world, and the rollout engines on it;
     returns the data-parallel size."""
     arch = ModelSource(config.model.path).architecture()
-    if arch.is_moe:
+    if not arch.is_moe and config.model.moe != MoEConfig():
         raise ConfigError(
-            f"model.path {config.model.path}: model_type={arch.model_type} is a mixture of "
-            "experts, which megatron_rl converts, loads at any TP/EP/PP and exports, but does "
-            "not train yet: the vLLM weight sync of experts, the router's losses and routing "
-            "replay come next (docs/design/moe.md §6)"
+            f"config section model.moe is set but model.path {config.model.path} is dense "
+            f"(model_type={arch.model_type}, no experts)"
+        )
+    if arch.is_moe and config.rollout.name == "hf":
+        raise ConfigError(
+            f"rollout.name=hf with a mixture of experts (model_type={arch.model_type}): the hf "
+            "engine holds transformers' fused expert tensors and takes no per-expert weights "
+            "yet; use rollout.name=vllm"
         )
     try:
         config.parallel.validate(world_size, arch)

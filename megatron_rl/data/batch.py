@@ -122,6 +122,11 @@ class TrainingBatch:
         positions = torch.arange(1, self.seq_length + 1, device=self.response_mask.device)
         return (self.response_mask.bool() * positions).amax(dim=1).clamp(min=1)
 
+    def padding_mask(self) -> torch.Tensor:
+        """[B, S] True past each row's last response token: positions no loss term reads."""
+        positions = torch.arange(self.seq_length, device=self.input_ids.device)
+        return positions >= self.sequence_lengths()[:, None]
+
     def split(self, num_microbatches: int) -> list[TrainingBatch]:
         """Equal-size micro-batches (pipeline p2p needs one shape for all of them)."""
         if num_microbatches < 1 or len(self) % num_microbatches != 0:

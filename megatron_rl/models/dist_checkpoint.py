@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
+import re
 import shutil
 from multiprocessing.managers import SyncManager
 from pathlib import Path
@@ -205,15 +206,18 @@ def _unshare_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+"""A checkpoint key of optimizer state, not of the model."""
+
+
 def _holds_optimizer_state(model_dir: Path) -> bool:
-    """Whether a checkpoint holds optimizer tensors (keyed `optimizer.…`, beside `chunk<i>.…`)."""
+    """Whether a checkpoint holds optimizer tensors (keyed `optimizer.…`, or `chained_<i>.
+    optimizer.…` for a MoE model's chained dense and expert optimizers, beside `chunk<i>.…`)."""
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
-    return any(
-        key.startswith("optimizer.")
-        for key in dist_checkpointing.load_tensors_metadata(str(model_dir))
-    )
+    keys = dist_checkpointing.load_tensors_metadata(str(model_dir))
+    return any(OPTIMIZER_KEY.match(key) for key in keys)
 
 
 def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:

@@ -167,6 +167,7 @@ class RecomputeConfig:
 
 MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")
 MOE_ROUTER_DTYPES = (None, "fp32", "fp64")
+MOE_LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,17 @@ class MoEConfig:
     rank of the expert group)."""
     moe_router_dtype: str | None = "fp32"
     """The router's logits and softmax in fp32 (or "fp64"); None: the parameters' dtype."""
+    moe_router_load_balancing_type: str = "none"
+    """"none", or the load-balancing loss added to the router's gradient: "aux_loss"
+    (Switch's, over each micro-batch), "seq_aux_loss" (per sequence), "global_aux_loss"."""
+    moe_aux_loss_coeff: float = 0.0
+    """Its weight (> 0 with a type other than "none"). Like Megatron-LM's, each micro-batch's
+    balance loss is averaged over micro-batches and data-parallel ranks; it is never part of
+    the policy loss, and is logged apart (`actor/moe/*`)."""
+    moe_z_loss_coeff: float | None = None
+    """ST-MoE's router z-loss weight (keeps router logits small); None: off."""
+    freeze_moe_router: bool = False
+    """Router weights not trained (NeMo-RL's name): the routes move only with the inputs."""
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
@@ -195,6 +207,25 @@ class MoEConfig:
             raise ValueError(
                 f"moe_router_dtype={self.moe_router_dtype!r}: expected one of {MOE_ROUTER_DTYPES}"
             )
+        if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+            raise ValueError(
+                f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r}: "
+                f"expected one of {MOE_LOAD_BALANCING_TYPES}"
+            )
+        balancing = self.moe_router_load_balancing_type != "none"
+        if balancing != (self.moe_aux_loss_coeff > 0) or self.moe_aux_loss_coeff < 0:
+            raise ValueError(
+                f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} with moe_router_load_balancing_"
+                f"type={self.moe_router_load_balancing_type!r}: a balancing loss needs both a "
+                "type and a coefficient > 0 (or neither)"
+            )
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff <= 0:
+            raise ValueError(f"moe_z_loss_coeff={self.moe_z_loss_coeff}: expected > 0 or None")
+
+    @property
+    def router_losses(self) -> bool:
+        """Whether training adds a balancing or z-loss to the router's gradient."""
+        return self.moe_router_load_balancing_type != "none" or self.moe_z_loss_coeff is not None
 
     def transformer_config_kwargs(self, arch: ModelArchitecture, grouped_gemm: bool) -> dict:
         """The TransformerConfig fields of `arch`'s experts ({} for a dense model)."""
@@ -206,8 +237,9 @@ class MoEConfig:
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_pre_softmax=arch.moe_router_pre_softmax,
             moe_router_score_function="softmax",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
+            moe_router_load_balancing_type=self.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+            moe_z_loss_coeff=self.moe_z_loss_coeff,
             moe_token_dispatcher_type=self.moe_token_dispatcher_type,
             moe_router_dtype=self.moe_router_dtype,
             moe_grouped_gemm=grouped_gemm,
@@ -424,10 +456,26 @@ def build_gpt_model_chunks(
             vp_stage=vp_stage,
         )
         _scale_rope(chunk, arch)
+        if arch.is_moe:
+            _mark_experts(chunk, freeze_router=(moe or MoEConfig()).freeze_moe_router)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     return chunks
+
+
+def _mark_experts(chunk, freeze_router: bool) -> None:
+    """Before DDP and the optimizer see them: every expert weight is an expert-parallel
+    parameter (megatron's `allreduce=False`), at EP = 1 too, where megatron-core leaves it
+    dense. Its gradient is then reduced over the expert-data-parallel group (at EP = 1 the
+    data-parallel group itself) and it is stepped by the expert optimizer, so the optimizer is
+    chained (dense, experts) at every EP size and a checkpoint saved at one EP resumes at
+    another. A frozen router gets no gradient buffer and no update."""
+    for name, param in chunk.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+        elif freeze_router and name.endswith("mlp.router.weight"):
+            param.requires_grad_(False)
 
 
 def layer_offset(model_chunk) -> int:

@@ -119,6 +119,11 @@ class ParallelLayout:
             raise ValueError(
                 f"sequence_parallel=True needs tensor_model_parallel_size >= 2, got {tp}"
             )
+        if arch is not None and not arch.is_moe and (ep > 1 or self.expert_tensor_parallel_size):
+            raise ValueError(
+                "expert_model_parallel_size / expert_tensor_parallel_size are set but the "
+                "model is dense (no experts)"
+            )
         if world_size % (etp * ep * pp) != 0:
             raise ValueError(
                 f"world size {world_size} is not divisible by expert_tensor_parallel_size * "
@@ -127,11 +132,6 @@ class ParallelLayout:
             )
         if arch is None:
             return
-        if not arch.is_moe and (ep > 1 or self.expert_tensor_parallel_size is not None):
-            raise ValueError(
-                "expert_model_parallel_size / expert_tensor_parallel_size are set but the "
-                "model is dense (no experts)"
-            )
         if arch.is_moe and tp > 1 and not self.sequence_parallel:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} with a mixture-of-experts model needs "

@@ -153,6 +153,7 @@ class RLTrainer:
             optim=scheduled_optim(c, "actor"),
             recompute=recompute,
             temperature=temperature,
+            moe=c.model.moe,
         )
         self.reference = (
             ReferencePolicy(
@@ -161,6 +162,7 @@ class RLTrainer:
                 model_path=c.model.path,
                 precision=precision,
                 temperature=temperature,
+                moe=c.model.moe,
             )
             if c.use_reference
             else None
@@ -176,6 +178,7 @@ class RLTrainer:
                 precision=precision,
                 optim=scheduled_optim(c, "critic"),
                 recompute=recompute,
+                moe=c.model.moe,
             )
         r = c.rollout
         if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:

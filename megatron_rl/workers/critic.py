@@ -11,7 +11,7 @@ from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
-from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig
+from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.losses_config import ValueLossConfig
@@ -34,11 +34,12 @@ class Critic(TrainableRole):
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
+        moe: MoEConfig | None = None,
     ):
         """`model_path`: a critic checkpoint, a reward model (its score head is the value
         head) or the policy (the value head starts from a small random init); HF or Megatron,
         see `models.source.ModelSource.load_critic`."""
-        chunks = build_critic_chunks(arch, layout, precision, recompute=recompute)
+        chunks = build_critic_chunks(arch, layout, precision, recompute=recompute, moe=moe)
         if model_path is not None:
             ModelSource(model_path).load_critic(chunks, arch)
         super().__init__(

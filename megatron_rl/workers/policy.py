@@ -20,7 +20,12 @@ from megatron_rl.algorithms.losses import (
 )
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.gpt import PrecisionConfig, RecomputeConfig, build_gpt_model_chunks
+from megatron_rl.models.gpt import (
+    MoEConfig,
+    PrecisionConfig,
+    RecomputeConfig,
+    build_gpt_model_chunks,
+)
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -44,8 +49,8 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.
     return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size, temperature))
 
 
-def _policy_chunks(arch, layout, model_path, precision, recompute=None) -> list:
-    chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute)
+def _policy_chunks(arch, layout, model_path, precision, recompute=None, moe=None) -> list:
+    chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute, moe=moe)
     if model_path is not None:
         ModelSource(model_path).load_policy(chunks, arch)
     return chunks
@@ -86,8 +91,9 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         model_path: str | Path | None = None,
         precision: PrecisionConfig | None = None,
         temperature: float = 1.0,
+        moe: MoEConfig | None = None,
     ):
-        chunks = _policy_chunks(arch, layout, model_path, precision)
+        chunks = _policy_chunks(arch, layout, model_path, precision, moe=moe)
         for chunk in chunks:
             chunk.requires_grad_(False)
         super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision)
@@ -107,8 +113,9 @@ class Actor(_LogProbs, TrainableRole):
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
         temperature: float = 1.0,
+        moe: MoEConfig | None = None,
     ):
-        chunks = _policy_chunks(arch, layout, model_path, precision, recompute)
+        chunks = _policy_chunks(arch, layout, model_path, precision, recompute, moe)
         super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision, optim=optim)
         self.temperature = temperature
 

@@ -23,6 +23,7 @@ from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.offload import ParamOffload
 from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
 from megatron_rl.workers.rewind import UpdateSnapshot
+from megatron_rl.workers.router_losses import router_loss_metrics
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
 
 BATCH_SHARES = frozenset({
@@ -221,6 +222,7 @@ class TrainableRole(MegatronRole):
         metrics = run_schedule(
             self.chunks, micro, partial(self._scaled_loss, cfg, counts, scale), forward_only=False
         )
+        router = router_loss_metrics(len(micro), self.arch.num_layers) if self.arch.is_moe else {}
         if not metrics:
             return {}
         out = {k: torch.stack([m[k] for m in metrics]).double() for k in metrics[0]}
@@ -230,7 +232,7 @@ class TrainableRole(MegatronRole):
             out.update(zip(shares, totals, strict=True))
         out = {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
         out["micro_batches"] = float(len(micro))  # this rank's, token budgets make it vary
-        return out
+        return {**out, **router}
 
     def update(
         self,

@@ -38,9 +38,16 @@ def run_schedule(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
+    config = get_model_config(chunks[0])
+    # MoE router losses (balancing, z-loss) count only the tokens the losses read
+    router_losses = bool(config.num_moe_experts) and (
+        config.moe_router_load_balancing_type != "none" or config.moe_z_loss_coeff is not None
+    )
+
     def forward_step(data_iterator: Iterator[TrainingBatch], model):
         mb = next(data_iterator)
-        output = model(mb.input_ids, mb.position_ids, None)
+        kwargs = {"padding_mask": _moe_padding_mask(mb, model)} if router_losses else {}
+        output = model(mb.input_ids, mb.position_ids, None, **kwargs)
 
         def loss_func(output_tensor, non_loss_data=False):
             return loss_fn(mb, output_tensor)
@@ -49,7 +56,7 @@ def run_schedule(
 
     # Every stage of a PP group splits the same batch the same way, so they agree on this.
     shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
-    get_model_config(chunks[0]).variable_seq_lengths = len(shapes) > 1
+    config.variable_seq_lengths = len(shapes) > 1
     iterators = [iter(micro_batches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -61,6 +68,24 @@ def run_schedule(
         forward_only=forward_only,
         collect_non_loss_data=collect_outputs,
     )
+
+
+def _moe_padding_mask(mb: TrainingBatch, model) -> torch.Tensor:
+    """[b, s] True at padding, for megatron-core 0.16.1's MoE router: its code reads True as
+    padding (`~padding_mask` is what it keeps), whatever its docstrings say. GPTModel splits
+    the mask over sequence-parallel ranks on the first pipeline stage only, so later stages
+    get theirs split here."""
+    mask = mb.padding_mask()
+    unwrapped = model
+    while hasattr(unwrapped, "module"):  # DDP, Float16Module
+        unwrapped = unwrapped.module
+    if unwrapped.config.sequence_parallel and not unwrapped.pre_process:
+        # why: megatron-core takes seconds to import: loaded on first use
+        from megatron.core import tensor_parallel
+
+        split = tensor_parallel.scatter_to_sequence_parallel_region(mask.transpose(0, 1))
+        mask = split.transpose(0, 1).contiguous()
+    return mask
 
 
 def broadcast_from_last_stage(parts: list[torch.Tensor], shape, dtype) -> torch.Tensor:

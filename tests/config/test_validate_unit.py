@@ -70,13 +70,20 @@ def test_validation_catches_layout_and_batch_mistakes(tiny_model_dir):
     validate_config(bf16, 2)
 
 
-def test_expert_parallelism_of_a_dense_model_and_moe_training_are_refused(
+def test_expert_parallelism_and_moe_settings_are_checked_against_the_model(
     tiny_model_dir, family_dir
 ):
     with pytest.raises(ConfigError, match="expert_model_parallel_size .* the model is dense"):
         validate_config(config_for(tiny_model_dir, "parallel.expert_model_parallel_size=2"), 2)
-    with pytest.raises(ConfigError, match="model_type=qwen3_moe is a mixture of experts"):
-        validate_config(config_for(family_dir("qwen3-moe")), 2)
+    moe = family_dir("qwen3-moe")
+    tp1_ep2 = ["parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2"]
+    validate_config(config_for(moe, *tp1_ep2), 2)
+    with pytest.raises(ConfigError, match="model.moe is set but .* is dense"):
+        validate_config(config_for(tiny_model_dir, "model.moe.freeze_moe_router=true"), 2)
+    with pytest.raises(ConfigError, match="rollout.name=hf with a mixture of experts"):
+        validate_config(config_for(moe, "rollout.name=hf"), 2)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 .* needs sequence_par"):
+        validate_config(config_for(moe), 2)  # the recipe's TP 2
 
 
 def test_parameter_offload_of_a_model_the_run_does_not_have_is_refused(tiny_model_dir):

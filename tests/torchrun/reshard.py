@@ -6,7 +6,9 @@ roles' full Hugging Face tensors before and after it to --out; the saving run al
 after the second update from the saved weights without the saved Adam state.
 
     torchrun --nproc-per-node 2 -m tests.torchrun.reshard --hf-dir D --ckpt C --out F
-        --tp 2 --pp 1 [--load]
+        --tp 2 --pp 1 [--ep 2 --etp 1] [--load]
+
+A mixture of experts at TP > 1 runs with sequence parallelism (megatron-core's rule).
 """
 
 import argparse
@@ -43,11 +45,17 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int)
     p.add_argument("--load", action="store_true")
     a = p.parse_args()
     arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(
-        tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp
+        tensor_model_parallel_size=a.tp,
+        pipeline_model_parallel_size=a.pp,
+        sequence_parallel=arch.is_moe and a.tp > 1,
+        expert_model_parallel_size=a.ep,
+        expert_tensor_parallel_size=a.etp,
     )
     ctx = distributed.initialize(layout, arch=arch)
     batch = global_batch(arch.vocab_size)

@@ -19,24 +19,51 @@ LAYOUTS = {"tp1_dp2": (1, 1), "tp1_pp2": (1, 2)}
 COMPARED = ("pg_loss", "nll_loss", "entropy", "ppo_kl", "pg_clipfrac", "grad_norm")
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("reshard")
+MOE_LAYOUTS = {
+    "ep1_dp2": ("--ep", "1"),
+    "tp2_sp_ep2_etp1": ("--tp", "2", "--ep", "2", "--etp", "1"),
+}
+"""Where the mixture of experts saved at EP2 (TP1, DP2) resumes."""
+
+
+def reshard_runs(hf_dir, root, saved_at, layouts):
     ckpt = root / "step_000001"
 
-    def run(name, tp, pp, *load):
-        args = ["--hf-dir", str(tiny_model_dir), "--ckpt", str(ckpt), "--out", str(root / name)]
-        run_torchrun("tests.torchrun.reshard", [*args, "--tp", str(tp), "--pp", str(pp), *load])
+    def run(name, *layout):
+        args = ["--hf-dir", str(hf_dir), "--ckpt", str(ckpt), "--out", str(root / name)]
+        run_torchrun("tests.torchrun.reshard", [*args, *layout])
         return torch.load(root / name, weights_only=False)
 
-    out = {"uninterrupted": run("uninterrupted", 2, 1)}
-    out.update({name: run(name, tp, pp, "--load") for name, (tp, pp) in LAYOUTS.items()})
+    out = {"uninterrupted": run("uninterrupted", *saved_at)}
+    out.update({name: run(name, *layout, "--load") for name, layout in layouts.items()})
     return ckpt, out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    layouts = {name: ("--tp", str(tp), "--pp", str(pp)) for name, (tp, pp) in LAYOUTS.items()}
+    return reshard_runs(tiny_model_dir, tmp_path_factory.mktemp("reshard"), ("--tp", "2"), layouts)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(family_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard_moe")
+    return reshard_runs(family_dir("qwen3-moe"), root, ("--ep", "2"), MOE_LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_resume_at_another_layout_takes_the_uninterrupted_step(runs, layout):
-    _, out = runs
+    assert_resumed_exactly(runs[1], layout)
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_a_mixture_of_experts_saved_at_ep2_resumes_at_another_expert_layout(moe_runs, layout):
+    """Experts and their Adam moments (megatron's chained expert optimizer) saved over two EP
+    ranks load whole on each rank (EP1) or with the dense part split over TP2+SP."""
+    assert_resumed_exactly(moe_runs[1], layout)
+
+
+def assert_resumed_exactly(out, layout):
     ref, got = out["uninterrupted"], out[layout]
     for role in ("actor", "critic"):  # the weights load exactly, whatever the layout
         for name, tensor in ref["saved"][role].items():

@@ -475,3 +475,36 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     )
     for role in ("actor", "critic"):
         assert same_weights(checkpoint(run, 8)[role], checkpoint(vapo_run, 8)[role])
+
+
+def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(family_dir, tmp_path):
+    """GRPO on the tiny Qwen3-MoE at EP=2 (each rank 4 of the 8 experts, DP 2, an engine per
+    rank): token-budget micro-batches, a balancing loss logged apart from pg_loss, and the
+    experts pushed to vLLM after each step: the engine's log-probs are the trainer's (the gap
+    stays at the fp32 level)."""
+    out = tmp_path / "moe"
+    train(
+        "grpo",
+        out,
+        f"model.path={family_dir('qwen3-moe')}",
+        VARIED_REWARD,
+        "parallel.tensor_model_parallel_size=1",
+        "parallel.expert_model_parallel_size=2",
+        "model.moe.moe_router_load_balancing_type=aux_loss",
+        "model.moe.moe_aux_loss_coeff=0.001",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_gpu=160",
+        "trainer.total_steps=2",
+        "trainer.save_interval=2",
+    )
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and all(finite(r) for r in records), records
+    for r in records:
+        assert 0.5 < r["actor/moe/load_balancing_loss"] < 2.0
+        assert r["rollout/logprob_gap/max"] < 1e-3  # step 2's rollout: after the first push
+    # saved from two EP ranks: every layer's 8 experts at their global indices, with the
+    # experts' own (chained) optimizer state
+    saved = checkpoint(out, 2)["actor"]
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert saved[fc1].shape == (2, 8, 2 * 64, 128)
+    assert saved[f"chained_1.optimizer.state.exp_avg.{fc1}"].abs().sum() > 0

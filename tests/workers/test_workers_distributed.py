@@ -257,3 +257,32 @@ def test_token_budgets_at_ep2_run_as_many_micro_batches_on_every_rank(moe_result
     counts = [len(token_budget_partition(h.tolist(), TOKEN_BUDGET)) for h in lengths.chunk(2)]
     assert counts[0] != counts[1]
     assert moe_results["ep2-tok"]["micro_batches"] == [max(counts)] * 2
+
+
+def test_router_losses_train_the_router_apart_from_the_policy_loss(family_dir, tmp_path):
+    """Balancing and z-losses (megatron-core's) reach the router's gradient and the logs
+    (`moe/*`), never `pg_loss`; the z-loss ignores padding; a frozen router stays as it was
+    while everything else trains."""
+    out = tmp_path / "router.pt"
+    run_torchrun(
+        "tests.torchrun.moe_router", ["--hf-dir", str(family_dir("qwen3-moe")), "--out", str(out)]
+    )
+    r = torch.load(out, map_location="cpu")
+    plain, aux, z = r["plain"], r["aux"], r["z"]
+    assert not any(k.startswith("moe/") for k in plain["metrics"])
+    # Switch's balance loss is ~1 for a near-uniform router (E * sum f_i P_i, f_i ~ P_i ~ 1/E)
+    assert 0.9 < aux["metrics"]["moe/load_balancing_loss"] < 1.5
+    assert z["metrics"]["moe/z_loss"] > 0 and "moe/load_balancing_loss" not in z["metrics"]
+    for case in (aux, z):
+        assert case["metrics"]["pg_loss"] == pytest.approx(plain["metrics"]["pg_loss"], rel=1e-6)
+        assert (case["router_grad"] - plain["router_grad"]).abs().max() > 1e-6
+        # the experts' own gradients: the routes and weights are the same
+        assert_close(case["expert_grad"], plain["expert_grad"], FP32_MODEL)
+    assert r["z-padded"]["metrics"]["moe/z_loss"] == pytest.approx(
+        z["metrics"]["moe/z_loss"], rel=1e-5
+    )
+    assert_close(r["z-padded"]["router_grad"], z["router_grad"], FP32_MODEL)
+    frozen = r["frozen"]
+    routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    assert frozen["changed"] and not routers & set(frozen["changed"])
+    assert len(frozen["changed"]) == 69 - 2  # every other tensor trained
