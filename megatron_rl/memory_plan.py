@@ -6,6 +6,9 @@ Model states per parameter held by a GPU (mixed precision, megatron-core DDP wit
     weights 2 B (bf16) + grads 4 B (fp32 buffer) + Adam 12 B (fp32 master, m, v),
 the Adam part divided by DP under the distributed optimizer (ZeRO-1; Rajbhandari et al. 2020).
 fp32 training (the CPU path) keeps weights 4 B, grads 4 B, Adam m and v 8 B.
+Mixtures of experts: each rank holds experts / EP of every MoE layer's experts, each split
+over expert-TP (ETP), and their Adam state is divided by the expert-data-parallel size,
+GPUs / (ETP x EP x PP), instead of DP (megatron-core's chained expert optimizer).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), itemised per tensor saved for backward by our layers rather than their
@@ -20,7 +23,10 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
     mask. Within 1% of saved-tensor hooks on a real actor (`tools/plan_memory.py
     --check-cpu`, tests/tools/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
-always. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
+always. A MoE layer (routing balanced: each rank's experts see as many token copies as it has
+tokens times top-k) saves per token the router's fp32 logits and probabilities (2E), and per
+routed copy the dispatched input (h), fc1's output (2I / ETP) and fc2's input (I / ETP); the
+`local` profile the SwiGLU's three I-sized terms instead of fc2's input. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
 interleaved schedule L * (1 + (PP-1)/(PP*VPP)) layers' worth. Full recompute keeps each
 layer's input and recomputes one layer at a time; selective recompute (megatron's
 `core_attn`) drops the attention core's saved tensors but its inputs.
@@ -44,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.presets import layer_param_count, param_count
+from megatron_rl.models.presets import expert_layer_param_count, layer_param_count, param_count
 from megatron_rl.rollout.replica import RolloutLayout
 
 GiB = 2**30
@@ -69,6 +75,9 @@ class MemoryPlanConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     data_parallel_size: int = 1
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    """None: TP (megatron-core's default)."""
     use_distributed_optimizer: bool = True
     micro_batch_size: int = 1
     num_microbatches: int = 8
@@ -169,6 +178,16 @@ class MemoryPlanConfig:
             * self.data_parallel_size
         )
 
+    @property
+    def expert_tensor_size(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks holding the same experts: what shards their optimizer state."""
+        grid = self.expert_tensor_size * self.expert_model_parallel_size
+        return self.num_gpus // (grid * self.pipeline_model_parallel_size)
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -176,6 +195,7 @@ class MemoryPlan:
 
     config: MemoryPlanConfig
     params_per_gpu: dict[str, int]
+    """Per role, experts included."""
     states: dict[str, int]
     """Per role: weights, grads, optimizer (bytes)."""
     activations: dict[str, int]
@@ -234,8 +254,15 @@ class MemoryPlan:
         return self.peak_bytes <= self.usable_bytes and self.vllm_kv_cache_bytes >= 0
 
 
+def stage_expert_params(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:
+    """Expert parameters one GPU holds on a pipeline stage (0 for a dense model)."""
+    per_layer = expert_layer_param_count(arch, c.expert_tensor_size, c.expert_model_parallel_size)
+    return arch.num_layers // c.pipeline_model_parallel_size * per_layer
+
+
 def stage_params(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
-    """Parameters one GPU holds on the largest pipeline stage (role: actor/critic/reference)."""
+    """Parameters one GPU holds on the largest pipeline stage (role: actor/critic/reference),
+    experts apart (`stage_expert_params`)."""
     tp, pp, h = c.tensor_model_parallel_size, c.pipeline_model_parallel_size, arch.hidden_size
     layers = arch.num_layers // pp * layer_param_count(arch, tp)
     embedding = arch.padded_vocab_size(tp) * h // tp
@@ -255,15 +282,24 @@ def _bytes_per_element(c: MemoryPlanConfig) -> int:
     return 2 if c.params_dtype == "bf16" else 4
 
 
-def model_state_bytes(params: int, c: MemoryPlanConfig, trainable: bool) -> dict[str, int]:
-    out = {"weights": params * _bytes_per_element(c)}
+def model_state_bytes(
+    params: int, c: MemoryPlanConfig, trainable: bool, expert_params: int = 0
+) -> dict[str, int]:
+    """Weights, grads and optimizer state of `params` dense and `expert_params` expert
+    parameters (their optimizer state sharded over expert-data-parallel ranks)."""
+    total = params + expert_params
+    out = {"weights": total * _bytes_per_element(c)}
     if c.fp8:
-        out["fp8_weight_copies"] = params * 2  # TE's FP8 copy of each GEMM weight, transposed
+        out["fp8_weight_copies"] = total * 2  # TE's FP8 copy of each GEMM weight, transposed
     if trainable:
         optimizer = 12 if c.params_dtype == "bf16" else 8
-        shard = c.data_parallel_size if c.use_distributed_optimizer else 1
-        out["grads"] = params * 4
-        out["optimizer"] = -(-params * optimizer // shard)
+        dense, experts = (
+            (c.data_parallel_size, c.expert_data_parallel_size)
+            if c.use_distributed_optimizer
+            else (1, 1)
+        )
+        out["grads"] = total * 4
+        out["optimizer"] = -(-params * optimizer // dense) - (-expert_params * optimizer // experts)
     return out
 
 
@@ -275,6 +311,8 @@ def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> d
     sp = tp if c.sequence_parallel else 1
     h, f = arch.hidden_size, arch.ffn_hidden_size
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    if arch.is_moe:
+        return _moe_layer_activation_elements(arch, c, sp, q, kv)
     if c.profile == "te":
         return {
             "norms": 2 * h / sp,  # LayerNormLinear input (layer input / residual)
@@ -291,6 +329,32 @@ def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> d
         "norms": (6 * h + 2) / sp,  # per norm: input, rstd, x * rstd, output
         "attention": core + q / tp,  # + context (the projection's input)
         "mlp": 5 * f / tp,  # fc1 output 2f, SwiGLU: linear half, silu, product
+    }
+
+
+def _moe_layer_activation_elements(arch, c, sp, q, kv) -> dict[str, float]:
+    """A MoE layer's saved elements per token (see the module docstring); the router's fp32
+    logits and probabilities (2E) are fp32 whatever the layer's element width."""
+    tp, k = c.tensor_model_parallel_size, arch.moe_router_topk
+    h, i, e = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_moe_experts
+    fp32 = 4 / _bytes_per_element(c)  # the router's tensors are fp32 whatever the dtype
+    router = 2 * e * fp32 / sp
+    if c.profile == "te":
+        return {
+            "norms": 2 * h / sp,  # the two norms' inputs
+            "gemm_inputs": 2 * h / sp + k * (h + i / c.expert_tensor_size),  # QKV, fc1, fc2
+            "attention": (2 * q + 2 * kv) / tp,
+            "mlp": router + k * 2 * i / c.expert_tensor_size,  # fc1 output
+        }
+    core = (
+        (2 * q + 3 * kv) / tp
+        if c.recompute_granularity == "selective"
+        else _attention_core_elements(arch, c)
+    )
+    return {
+        "norms": (6 * h + 2) / sp,
+        "attention": core + q / tp,
+        "mlp": router + k * (h + 5 * i / c.expert_tensor_size),  # input, fc1, SwiGLU terms
     }
 
 
@@ -368,13 +432,23 @@ def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) ->
 
 def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
-    arch.check_divisible(tp, pp * (c.virtual_pipeline_model_parallel_size or 1))
+    ep, etp = c.expert_model_parallel_size, c.expert_tensor_size
+    if not arch.is_moe and (ep > 1 or c.expert_tensor_parallel_size):
+        raise PlanError("expert_model_parallel_size / expert_tensor_parallel_size need a MoE model")
+    if c.num_gpus % (etp * ep * pp):
+        raise PlanError(
+            f"{c.num_gpus} GPUs are not divisible by ETP x EP x PP = {etp} x {ep} x {pp}"
+        )
+    arch.check_divisible(tp, pp * (c.virtual_pipeline_model_parallel_size or 1), etp, ep)
     roles = ["actor"] + (["critic"] if c.critic else []) + (["reference"] if c.reference else [])
+    experts = stage_expert_params(arch, c)
     params = {r: stage_params(arch, c, r) for r in roles}
     states = {}
     for role in roles:
-        for kind, n in model_state_bytes(params[role], c, role != "reference").items():
+        trainable = role != "reference"
+        for kind, n in model_state_bytes(params[role], c, trainable, experts).items():
             states[f"{role}_{kind}"] = n
+    params = {r: n + experts for r, n in params.items()}
     activations = {r: activation_bytes(arch, c, r) for r in roles if r != "reference"}
 
     notes = []
@@ -407,6 +481,8 @@ def summary_row(plan: MemoryPlan) -> dict[str, object]:
     if c.virtual_pipeline_model_parallel_size:
         layout += f"VPP{c.virtual_pipeline_model_parallel_size}"
     layout += f"DP{c.data_parallel_size}" + ("SP" if c.sequence_parallel else "")
+    if c.expert_model_parallel_size > 1 or c.expert_tensor_parallel_size:
+        layout += f"EP{c.expert_model_parallel_size}ETP{c.expert_tensor_size}"
     row = {
         "layout": layout,
         "gpus": c.num_gpus,

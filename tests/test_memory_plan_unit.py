@@ -295,3 +295,58 @@ def test_cli_sweeps_layouts_and_exits_by_fit(capsys):
     assert "neither a preset" in capsys.readouterr().err
     assert plan_main(["--recipe", "examples/none.yaml"]) == 2
     assert "examples/none.yaml" in capsys.readouterr().err
+
+
+RECIPE_30B_A3B = REPO / "examples/qwen3-30b-a3b/grpo.yaml"
+
+
+def test_qwen3_30b_a3b_counts_match_the_model_card():
+    """ "30.5B in total and 3.3B activated, 29.9B non-embedding" (the model card)."""
+    from megatron_rl.models.presets import active_param_count
+
+    arch = preset_arch("qwen3-30b-a3b")
+    embeddings = 2 * arch.vocab_size * arch.hidden_size
+    assert param_count(arch) / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert (param_count(arch) - embeddings) / 1e9 == pytest.approx(29.9, abs=0.05)
+    assert active_param_count(arch) / 1e9 == pytest.approx(3.35, abs=0.005)
+
+
+def test_experts_split_over_ep_and_their_adam_state_over_expert_data_parallel():
+    """TP2+SP, EP8, ETP1 on 16 GPUs: each GPU 16 of every layer's 128 experts (3.62B) and the
+    dense part split over TP (0.78B); Adam's 12 B per parameter over DP 8 for the dense part,
+    over expert-DP 16 / (1 x 8) = 2 for the experts."""
+    arch = preset_arch("qwen3-30b-a3b")
+    c = MemoryPlanConfig(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_model_parallel_size=8,
+        expert_tensor_parallel_size=1,
+        data_parallel_size=8,
+        critic=False,
+    )
+    assert c.expert_data_parallel_size == 2
+    plan = plan_memory(arch, c)
+    dense, experts = stage_params(arch, c, "actor"), 48 * 16 * 3 * 2048 * 768
+    assert dense / 1e9 == pytest.approx(0.78, abs=0.005) and experts / 1e9 == pytest.approx(
+        3.62, abs=0.005
+    )
+    assert plan.params_per_gpu["actor"] == dense + experts
+    assert plan.states["actor_weights"] == 2 * (dense + experts)
+    assert plan.states["actor_optimizer"] == -(-12 * dense // 8) + 12 * experts // 2
+    with pytest.raises(PlanError, match="not divisible by ETP x EP x PP = 1 x 8 x 1"):
+        plan_memory(arch, dataclasses.replace(c, data_parallel_size=2))  # 4 GPUs
+    with pytest.raises(PlanError, match="need a MoE model"):
+        plan_memory(preset_arch("qwen3-8b"), dataclasses.replace(c, data_parallel_size=4))
+
+
+def test_the_30b_a3b_recipe_fits_16_h100_and_not_8():
+    settings = recipe_settings(str(RECIPE_30B_A3B))
+    arch = preset_arch("qwen3-30b-a3b")
+    on16 = plan_memory(arch, MemoryPlanConfig(**settings, data_parallel_size=8))
+    on8 = plan_memory(arch, MemoryPlanConfig(**settings, data_parallel_size=4))
+    assert on16.fits and not on8.fits
+    # the numbers in the recipe's header
+    assert (
+        round(on16.train_bytes / 2**30, 1) == 56.3 and round(on16.rollout_bytes / 2**30, 1) == 48.0
+    )
+    assert round(on8.train_bytes / 2**30, 1) == 77.7

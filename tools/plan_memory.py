@@ -3,10 +3,12 @@
     python -m tools.plan_memory --model qwen2.5-32b --tp 8 --pp 2,4 --dp 2,4 \\
         --seq-length 22528 --recompute none,full --vllm-gpu-memory-utilization 0.5
     python -m tools.plan_memory --model qwen2.5-32b --recipe examples/qwen2.5-32b/vapo.yaml --dp 2
+    python -m tools.plan_memory --model qwen3-30b-a3b --recipe examples/qwen3-30b-a3b/grpo.yaml
+        --dp 4,8                                 # a mixture of experts: --ep, --etp too
     python -m tools.plan_memory --check-cpu      # the estimate vs tracked tensors on this CPU
 
---model is a preset (tiny, qwen2.5-0.5b, qwen2-1b, qwen2.5-7b, qwen2.5-32b) or a Hugging Face
-config.json / checkpoint directory. Comma lists (--tp, --pp, --dp, --recompute,
+--model is a preset (tiny, qwen2.5-0.5b, qwen2-1b, qwen2.5-7b, qwen2.5-32b, qwen3-30b-a3b, ...)
+or a Hugging Face config.json / checkpoint directory. Comma lists (--tp, --pp, --dp, --ep, --recompute,
 --vllm-gpu-memory-utilization, --micro-batch-size) sweep every combination and print one
 markdown row each; a single combination also prints its breakdown. --recipe takes layout,
 lengths, batch sizes, optimizer sharding, recompute, critic/reference, offload and vLLM
@@ -84,6 +86,8 @@ def recipe_settings(path: str) -> dict:
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         use_distributed_optimizer=c.actor.optim.use_distributed_optimizer,
         micro_batch_size=c.actor.micro_batch_size,
         seq_length=c.data.max_prompt_length + c.rollout.max_new_tokens,
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     p.add_argument("--vpp", type=int)
     p.add_argument("--dp", type=_list(int), default=[1])
     p.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction)
+    p.add_argument("--ep", type=_list(int), help="expert-parallel size(s), MoE models")
+    p.add_argument("--etp", type=int, help="expert-tensor-parallel size (default: --tp)")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction)
     p.add_argument("--micro-batch-size", type=_list(int))
     p.add_argument("--num-microbatches", type=int, default=64)
@@ -183,6 +189,7 @@ def main(argv=None) -> int:
     scalars = {
         "virtual_pipeline_model_parallel_size": a.vpp,
         "sequence_parallel": a.sequence_parallel,
+        "expert_tensor_parallel_size": a.etp,
         "use_distributed_optimizer": a.distributed_optimizer,
         "num_microbatches": a.num_microbatches,
         "seq_length": a.seq_length,
@@ -206,6 +213,7 @@ def main(argv=None) -> int:
         "tensor_model_parallel_size": a.tp,
         "pipeline_model_parallel_size": a.pp,
         "data_parallel_size": a.dp,
+        "expert_model_parallel_size": a.ep,
         "micro_batch_size": a.micro_batch_size,
         "recompute_granularity": a.recompute,
         "vllm_gpu_memory_utilization": a.vllm_gpu_memory_utilization,

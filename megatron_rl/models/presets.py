@@ -44,6 +44,13 @@ PRESETS: dict[str, dict] = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    # Qwen3-30B-A3B's config.json: 48 MoE layers of 128 experts (768 wide), 8 per token.
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", max_position_embeddings=40960,
+                          rope_theta=1e6, rms_norm_eps=1e-6, num_hidden_layers=48,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -66,22 +73,39 @@ def resolve_arch(model: str) -> ModelArchitecture:
 
 
 def layer_param_count(arch: ModelArchitecture, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one of `tp` tensor-parallel ranks: QKV (+ bias),
-        output projection and SwiGLU MLP are split; the norms (and Qwen3's q/k norms) and the
-    row-parallel biases replicated."""
+    """Parameters of one transformer layer on one of `tp` tensor-parallel ranks, experts
+    apart (`expert_layer_param_count`): QKV (+ bias), output projection and a dense SwiGLU MLP
+    are split; the norms (and Qwen3's q/k norms), the row-parallel biases and a MoE router
+    replicated."""
     h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
     kv = arch.num_query_groups * arch.head_dim
-    split = h * (q + 2 * kv) + q * h + 3 * h * arch.ffn_hidden_size
+    split = h * (q + 2 * kv) + q * h + (0 if arch.is_moe else 3 * h * arch.ffn_hidden_size)
     if arch.qkv_bias:
         split += q + 2 * kv
     replicated = 2 * h + (2 * arch.head_dim if arch.qk_layernorm else 0)
+    replicated += arch.num_moe_experts * h  # the router
     if arch.linear_bias:  # o_proj and down_proj biases whole on every rank, gate/up split
         split += 2 * arch.ffn_hidden_size
         replicated += 2 * h
     return split // tp + replicated
 
 
+def expert_layer_param_count(arch: ModelArchitecture, etp: int = 1, ep: int = 1) -> int:
+    """Expert parameters of one MoE layer on one rank: experts / `ep` of them, each SwiGLU
+    split over `etp` expert-tensor-parallel ranks (0 for a dense model)."""
+    per_expert = 3 * arch.hidden_size * (arch.moe_ffn_hidden_size or 0)
+    return arch.num_moe_experts // ep * per_expert // etp
+
+
 def param_count(arch: ModelArchitecture) -> int:
     """Parameters of the Hugging Face model (unpadded vocabulary)."""
     embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    return arch.num_layers * layer_param_count(arch) + embeddings + arch.hidden_size
+    layer = layer_param_count(arch) + expert_layer_param_count(arch)
+    return arch.num_layers * layer + embeddings + arch.hidden_size
+
+
+def active_param_count(arch: ModelArchitecture) -> int:
+    """Parameters one token's forward uses: a MoE layer's top-k experts, not all of them."""
+    unused = arch.num_moe_experts - arch.moe_router_topk
+    per_expert = 3 * arch.hidden_size * (arch.moe_ffn_hidden_size or 0)
+    return param_count(arch) - arch.num_layers * unused * per_expert

@@ -22,7 +22,10 @@ from megatron_rl.config import (
 )
 from megatron_rl.rewards import MathRewardConfig, PythonRewardConfig
 
-RECIPES = sorted(Path("examples/tiny").glob("*.yaml")) + [Path("examples/qwen2.5-32b/vapo.yaml")]
+RECIPES = sorted(Path("examples/tiny").glob("*.yaml")) + [
+    Path("examples/qwen2.5-32b/vapo.yaml"),
+    Path("examples/qwen3-30b-a3b/grpo.yaml"),
+]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p))
