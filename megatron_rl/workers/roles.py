@@ -85,6 +85,10 @@ class MegatronRole:
     def restore_params(self) -> None:
         self._params_away.restore()
 
+    def schedule_hooks(self, batch: TrainingBatch):
+        """Hooks around each forward of a gradient pass (`run_schedule`); none here."""
+        return None
+
     def split(self, batch: TrainingBatch, num_microbatches: int, max_tokens: int | None):
         # With expert parallelism every micro-batch's MoE layers exchange tokens with the
         # other data-parallel ranks: a rank whose token budget made fewer micro-batches
@@ -101,6 +105,7 @@ class MegatronRole:
         num_microbatches: int,
         collect: Callable,
         max_tokens: int | None = None,
+        hooks=None,
     ) -> torch.Tensor:
         """`collect(mb, output) -> [b, s]` on each micro-batch; [B, S] on every PP rank, in the
         batch's row order, on the role's device. With a token budget (`max_tokens`, see
@@ -110,7 +115,9 @@ class MegatronRole:
         for chunk in self.chunks:
             chunk.eval()
         micro, order = self.split(batch, num_microbatches, max_tokens)
-        parts = run_schedule(self.chunks, micro, collect, forward_only=True, collect_outputs=True)
+        parts = run_schedule(
+            self.chunks, micro, collect, forward_only=True, collect_outputs=True, hooks=hooks
+        )
         out = broadcast_from_last_stage(parts, batch.input_ids.shape, torch.float32)
         if order is None:
             return out
@@ -220,7 +227,11 @@ class TrainableRole(MegatronRole):
         # scale undoes both, whatever number of micro-batches each rank runs.
         scale = len(micro) * parallel_state.get_data_parallel_world_size()
         metrics = run_schedule(
-            self.chunks, micro, partial(self._scaled_loss, cfg, counts, scale), forward_only=False
+            self.chunks,
+            micro,
+            partial(self._scaled_loss, cfg, counts, scale),
+            forward_only=False,
+            hooks=self.schedule_hooks(batch),
         )
         router = router_loss_metrics(len(micro), self.arch.num_layers) if self.arch.is_moe else {}
         if not metrics:

@@ -26,6 +26,7 @@ def run_schedule(
     *,
     forward_only: bool,
     collect_outputs: bool = False,
+    hooks=None,
 ) -> list:
     """Run megatron's pipeline schedule over `micro_batches`.
 
@@ -33,6 +34,8 @@ def run_schedule(
     micro-batch (last stage only). Collecting (`collect_outputs=True`, forward only):
     `loss_fn(mb, output) -> tensor`, returns those tensors (last stage only).
     `output` is the last stage's model output: logits [b, s, V/tp] or values [b, s, 1].
+    `hooks`: `before_forward(mb, model)` / `after_forward(mb, model)` around each chunk's
+    forward, `finish()` after the schedule (routing replay, `models/router_replay.py`).
     """
     # megatron loads only where it is used (CLI start-up, --help and config errors stay fast)
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -47,7 +50,11 @@ def run_schedule(
     def forward_step(data_iterator: Iterator[TrainingBatch], model):
         mb = next(data_iterator)
         kwargs = {"padding_mask": _moe_padding_mask(mb, model)} if router_losses else {}
+        if hooks is not None:
+            hooks.before_forward(mb, model)
         output = model(mb.input_ids, mb.position_ids, None, **kwargs)
+        if hooks is not None:
+            hooks.after_forward(mb, model)
 
         def loss_func(output_tensor, non_loss_data=False):
             return loss_fn(mb, output_tensor)
@@ -58,16 +65,20 @@ def run_schedule(
     shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
     config.variable_seq_lengths = len(shapes) > 1
     iterators = [iter(micro_batches) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=micro_batches[0].seq_length,
-        micro_batch_size=len(micro_batches[0]),
-        forward_only=forward_only,
-        collect_non_loss_data=collect_outputs,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].seq_length,
+            micro_batch_size=len(micro_batches[0]),
+            forward_only=forward_only,
+            collect_non_loss_data=collect_outputs,
+        )
+    finally:
+        if hooks is not None:
+            hooks.finish()
 
 
 def _moe_padding_mask(mb: TrainingBatch, model) -> torch.Tensor:
