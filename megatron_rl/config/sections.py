@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from megatron_rl.config.loader import items_parsed_by
 from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
+from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
@@ -233,6 +234,9 @@ class ActorConfig(RoleConfig):
     ref_param_offload: bool = False
     """The reference policy's parameters (with a KL term) in host memory from the end of
     the experience until the next one: neither training nor generation holds them."""
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
+    """Mixtures of experts: rollout routing replay (R3) or its mismatch measure (verl's
+    `actor.router_replay`; `models/router_replay.py`)."""
 
     forward_budget_key: ClassVar[str] = "log_prob_max_token_len_per_gpu"
 

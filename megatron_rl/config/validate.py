@@ -156,6 +156,18 @@ def check_layout(config: TrainConfig, world_size: int) -> int:
             f"config section model.moe is set but model.path {config.model.path} is dense "
             f"(model_type={arch.model_type}, no experts)"
         )
+    replay = config.actor.router_replay
+    if replay.needs_routes and not arch.is_moe:
+        raise ConfigError(
+            f"actor.router_replay (mode={replay.mode}, log_mismatch={replay.log_mismatch}) "
+            f"needs a mixture of experts; model.path {config.model.path} is dense"
+        )
+    if replay.needs_routes and config.async_.partial_rollout:
+        raise ConfigError(
+            "actor.router_replay with async.partial_rollout: a continued response is "
+            "re-prefilled under new weights, so its earlier tokens' recorded routes would not "
+            "be those that sampled them"
+        )
     if arch.is_moe and config.rollout.name == "hf":
         raise ConfigError(
             f"rollout.name=hf with a mixture of experts (model_type={arch.model_type}): the hf "

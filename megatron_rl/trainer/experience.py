@@ -94,7 +94,7 @@ def make_experience(
         starting("actor")
         old = actor.compute_logprobs(batch, **split)
     fields = {"old_logprobs": old}
-    metrics = {}
+    metrics = dict(actor.routing_metrics) if not rc_config.bypass_mode else {}
     token_kl = None
     if reference is not None:
         starting("reference")

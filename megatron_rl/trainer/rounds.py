@@ -60,6 +60,8 @@ def build_engine(
             gpu_memory_utilization=r.gpu_memory_utilization,
             cpu_kv_cache_space_gib=r.cpu_kv_cache_space_gib,
             external_launcher=external_launcher,
+            # routing replay, or its mismatch measure, needs the engine's routes
+            record_routes=config.actor.router_replay.needs_routes,
             # A Megatron checkpoint has no HF weights: vLLM starts from random ones and
             # takes the actor's at once, as after every update.
             extra={"load_format": "dummy"} if source.is_megatron else {},

@@ -154,6 +154,7 @@ class RLTrainer:
             recompute=recompute,
             temperature=temperature,
             moe=c.model.moe,
+            router_replay=c.actor.router_replay,
         )
         self.reference = (
             ReferencePolicy(

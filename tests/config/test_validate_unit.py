@@ -82,6 +82,15 @@ def test_expert_parallelism_and_moe_settings_are_checked_against_the_model(
         validate_config(config_for(tiny_model_dir, "model.moe.freeze_moe_router=true"), 2)
     with pytest.raises(ConfigError, match="rollout.name=hf with a mixture of experts"):
         validate_config(config_for(moe, "rollout.name=hf"), 2)
+    with pytest.raises(ConfigError, match=r"actor.router_replay \(mode=R3.* is dense"):
+        validate_config(config_for(tiny_model_dir, "actor.router_replay.mode=R3"), 2)
+    replay = [*tp1_ep2, "actor.router_replay.mode=R3"]
+    validate_config(config_for(moe, *replay), 2)
+    with pytest.raises(ConfigError, match="router_replay with async.partial_rollout"):
+        apart = ["rollout.placement=disaggregated", "rollout.engine_ranks=1"]
+        validate_config(config_for(moe, *replay, *apart, "async.partial_rollout=true"), 3)
+    with pytest.raises(ConfigError, match="log_mismatch is for mode disabled"):
+        config_for(moe, *replay, "actor.router_replay.log_mismatch=true")
     with pytest.raises(ConfigError, match="tensor_model_parallel_size=2 .* needs sequence_par"):
         validate_config(config_for(moe), 2)  # the recipe's TP 2
 

@@ -123,3 +123,35 @@ def test_interleaved_pipelines_get_a_multiple_of_their_size_in_micro_batches():
     assert to_count_multiple([[0], [1]], 1) == [[0], [1]]
     with pytest.raises(ValueError, match="2 rows cannot make a multiple of 4 micro-batches"):
         to_count_multiple([[0], [1]], 4)
+
+
+def test_routed_experts_fill_every_run_token_and_placeholders_elsewhere():
+    """Engine routes cover prompt + response - 1 tokens; the last token and padding get the
+    distinct placeholder experts 0..k-1, also when the batch is padded or split."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megatron_rl.data.batch import samples_to_batch
+
+    def sample(prompt, response, fill):
+        routes = np.full((len(prompt) + len(response) - 1, 2, 2), fill, dtype=np.uint8)
+        routes[..., 1] = fill + 1
+        return SimpleNamespace(prompt_token_ids=prompt, token_ids=response, routed_experts=routes)
+
+    batch = samples_to_batch([sample([1, 2], [3, 4, 5], 6), sample([7], [8], 4)])
+    r = batch.routed_experts
+    assert r.shape == (2, 5, 2, 2) and r.dtype == torch.uint8
+    assert r[0, :4].tolist() == [[[6, 7]] * 2] * 4 and r[0, 4].tolist() == [[0, 1]] * 2
+    assert r[1, :1].tolist() == [[[4, 5]] * 2] and r[1, 1:].tolist() == [[[0, 1]] * 2] * 4
+    padded = batch.padded_to_multiple(4)
+    assert padded.routed_experts.shape == (2, 8, 2, 2)
+    assert padded.routed_experts[:, 5:].tolist() == [[[[0, 1]] * 2] * 3] * 2
+    assert torch.equal(batch.with_length(3).routed_experts, r[:, :3])
+    short = SimpleNamespace(
+        prompt_token_ids=[1, 2], token_ids=[3, 4, 5], routed_experts=np.zeros((3, 2, 2), np.uint8)
+    )
+    with pytest.raises(ValueError, match=r"sample 0: .* \(3, 2, 2\), expected \(4, 2, 2\)"):
+        samples_to_batch([short])
+    with pytest.raises(ValueError, match="routed_experts has shape"):
+        batch.with_fields(routed_experts=r[:, :, 0])

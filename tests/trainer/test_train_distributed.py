@@ -477,11 +477,17 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         assert same_weights(checkpoint(run, 8)[role], checkpoint(vapo_run, 8)[role])
 
 
-def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(family_dir, tmp_path):
+@pytest.mark.parametrize(
+    "replay", ["actor.router_replay.log_mismatch=true", "actor.router_replay.mode=R3"]
+)
+def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(
+    family_dir, tmp_path, replay
+):
     """GRPO on the tiny Qwen3-MoE at EP=2 (each rank 4 of the 8 experts, DP 2, an engine per
     rank): token-budget micro-batches, a balancing loss logged apart from pg_loss, and the
     experts pushed to vLLM after each step: the engine's log-probs are the trainer's (the gap
-    stays at the fp32 level)."""
+    stays at the fp32 level). The engine records its routes: the trainer either measures where
+    its own differ (none here: fp32, same weights) or replays them (R3)."""
     out = tmp_path / "moe"
     train(
         "grpo",
@@ -496,11 +502,16 @@ def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(famil
         "actor.ppo_max_token_len_per_gpu=160",
         "trainer.total_steps=2",
         "trainer.save_interval=2",
+        replay,
     )
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2] and all(finite(r) for r in records), records
     for r in records:
         assert 0.5 < r["actor/moe/load_balancing_loss"] < 2.0
+        if "log_mismatch" in replay:
+            assert r["routing/mismatch/layer_frac"] <= 0.02  # fp32: near-ties only
+        else:
+            assert not any(k.startswith("routing/") for k in r)
         assert r["rollout/logprob_gap/max"] < 1e-3  # step 2's rollout: after the first push
     # saved from two EP ranks: every layer's 8 experts at their global indices, with the
     # experts' own (chained) optimizer state
