@@ -83,6 +83,28 @@ def test_te_spec_matches_local_spec_in_bf16(single_rank, tiny_model_dir):
 
 
 @needs_te
+def test_te_grouped_experts_load_and_match_the_local_experts_in_bf16(single_rank, family_dir):
+    """A mixture of experts with TE's grouped-GEMM experts (`TEGroupedMLP`, names
+    `linear_fc1.weight{j}`) loads the same Hugging Face tensors as the CPU layout
+    (`SequentialMLP`) and computes the same logits; a bf16 step trains it."""
+    hf = family_dir("qwen3-moe")
+    arch = read_hf_config(hf)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    local = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=False)
+    te = build_gpt_model_chunks(arch, layout, bf16, use_transformer_engine=True)
+    assert any(".linear_fc1.weight0" in n for n, _ in te[0].named_parameters())
+    load_hf_into_megatron(local, hf, arch)
+    load_hf_into_megatron(te, hf, arch)
+    ids = tokens(arch)
+    assert_close(forward(te, ids), forward(local, ids), BF16_MODEL)
+    actor = Actor(arch=arch, layout=layout, model_path=hf, precision=bf16)
+    metrics = actor.update(cuda_global_batch(arch), PolicyLossConfig(), num_microbatches=2)
+    assert metrics["update_ok"]
+
+
+@needs_te
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     reason="needs Hopper",

@@ -109,13 +109,18 @@ def test_round_trip_is_bit_identical(
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dirs left
 
 
-def test_a_moe_checkpoint_saved_at_ep2_gives_transformers_logits_at_tp2_ep2(family_dir, tmp_path):
-    """Experts saved over EP=2 and loaded at TP=2+SP with EP=2 and expert-TP 1: the logits of
-    the checkpoint, resharded, are transformers' (softmax over every expert, no renormalising)."""
+def test_a_moe_checkpoint_saved_at_ep2_gives_transformers_logits_at_tp2_ep2_and_pp2(
+    family_dir, tmp_path
+):
+    """Experts saved over EP=2 and loaded at TP=2+SP with EP=2 and expert-TP 1, and over two
+    pipeline stages: the logits of the checkpoint, resharded, are transformers' (softmax over
+    every expert, no renormalising)."""
     hf = family_dir("qwen3-moe-nonorm")
     hf_to_megatron(hf, tmp_path / "mcore", 1, 1, "--ep", "2")
     result = verify(hf, tmp_path / "mcore", 2, 1, experts=["--ep", "2", "--etp", "1"])
     assert result["ok"] and result["layout"] == "TP2PP1EP2ETP1" and result["mismatched"] == 0
+    at_pp2 = verify(hf, tmp_path / "mcore", 1, 2)  # each stage one MoE layer, experts whole
+    assert at_pp2["ok"] and at_pp2["layout"] == "TP1PP2" and at_pp2["mismatched"] == 0
 
 
 @pytest.fixture(scope="module")
