@@ -49,6 +49,12 @@ LAYOUTS = {
     # mixtures of experts: experts split over two ranks (tokens dispatched between them)
     "ep2": (EP, {"num_microbatches": 2}),
     "ep2-tok": (EP, {"max_tokens": TOKEN_BUDGET}),
+    "tp2-sp-etp1": (
+        distributed.ParallelLayout(
+            tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1
+        ),
+        {"num_microbatches": 2},
+    ),
     "tp2-sp-ep2": (
         distributed.ParallelLayout(
             tensor_model_parallel_size=2,

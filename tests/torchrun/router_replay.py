@@ -22,16 +22,9 @@ from megatron_rl.parallel import distributed
 from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
+from tests.torchrun.weight_sync import LAYOUTS as WEIGHT_SYNC_LAYOUTS
 
-LAYOUTS = {
-    "ep2": distributed.ParallelLayout(expert_model_parallel_size=2),
-    "tp2_sp_ep2": distributed.ParallelLayout(
-        tensor_model_parallel_size=2,
-        sequence_parallel=True,
-        expert_model_parallel_size=2,
-        expert_tensor_parallel_size=1,
-    ),
-}
+LAYOUTS = {name: WEIGHT_SYNC_LAYOUTS[name] for name in ("ep2", "tp2_sp_ep2")}
 
 
 def foreign_routes(like: torch.Tensor, experts: int) -> torch.Tensor:

@@ -223,17 +223,25 @@ def moe_results(family_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers_moe")
     args = ["--hf-dir", str(family_dir("qwen3-moe")), "--out-dir", str(out), "--layouts"]
     run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1"], nproc=1)
-    run_torchrun("tests.torchrun.actor_critic", [*args, "ep2,ep2-tok,tp2-sp-ep2"], nproc=2)
-    merged = {name: merge(out, name) for name in ["dp1-mb1", "ep2", "ep2-tok", "tp2-sp-ep2"]}
+    run_torchrun(
+        "tests.torchrun.actor_critic",
+        [*args, "dp2-mb2,ep2,ep2-tok,tp2-sp-etp1,tp2-sp-ep2"],
+        nproc=2,
+    )
+    names = ["dp1-mb1", "dp2-mb2", "ep2", "ep2-tok", "tp2-sp-etp1", "tp2-sp-ep2"]
+    merged = {name: merge(out, name) for name in names}
     ranks = [torch.load(f, map_location="cpu") for f in sorted(out.glob("ep2-tok.rank*.pt"))]
     merged["ep2-tok"]["micro_batches"] = [r["metrics"]["critic"]["micro_batches"] for r in ranks]
     return merged
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2-tok", "tp2-sp-ep2"])
+@pytest.mark.parametrize("layout", ["dp2-mb2", "ep2", "ep2-tok", "tp2-sp-etp1", "tp2-sp-ep2"])
 def test_moe_gradients_at_ep2_equal_those_at_ep1(moe_results, layout):
-    """Experts split over two ranks (alltoall), with token budgets, and with TP=2+SP: the
-    gradient of every expert, router and dense tensor is the one-process gradient."""
+    """Experts whole on two data-parallel ranks (EP1: reduced over the expert-data-parallel
+    group, as megatron_rl marks them at every EP), whole on both TP ranks under TP=2+SP
+    (expert-TP 1), split over two ranks (alltoall), with token budgets, and with TP=2+SP:
+    the gradient of every expert, router and dense tensor is the
+    one-process gradient."""
     for loss in ("token-mean+nll", "entropy+kl"):
         reference = moe_results["dp1-mb1"]["grads"][loss]
         assert len(reference) == 2 * (8 + 1 + 3 * 8) + 3  # every expert's too
