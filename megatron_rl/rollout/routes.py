@@ -109,6 +109,12 @@ def _moe_runners(model):
 def install_worker(worker, topk: int) -> int:
     """Hook this worker's routers and its runner's step; returns the MoE layers hooked."""
     runner = worker.model_runner
+    if not hasattr(runner, "_prepare_inputs"):
+        raise RuntimeError(
+            f"recording routed experts hooks vLLM's V1 model runner, but this engine runs "
+            f"{type(runner).__name__} (vLLM's Model Runner V2, chosen where Triton runs): start "
+            "it with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     runners = list(_moe_runners(runner.model))
     if not runners:
         raise ValueError("routed experts can only be recorded for a mixture-of-experts model")
