@@ -39,7 +39,14 @@ def forced_hf_logprobs(hf_dir, batch) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("family, layout", [("qwen3-moe", "ep2"), ("mixtral", "tp2_sp_ep2")])
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        # the journeys' tier (~30 s), to keep `make test` under 20 minutes
+        pytest.param("qwen3-moe", "ep2", marks=pytest.mark.e2e),
+        ("mixtral", "tp2_sp_ep2"),
+    ],
+)
 def test_the_actor_replays_the_routes_the_engine_recorded(family_dir, tmp_path, family, layout):
     hf = family_dir(family)
     out = tmp_path / "replay.pt"

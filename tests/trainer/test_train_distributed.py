@@ -478,7 +478,12 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
 
 
 @pytest.mark.parametrize(
-    "replay", ["actor.router_replay.log_mismatch=true", "actor.router_replay.mode=R3"]
+    "replay",
+    [
+        # the journeys' tier (~30 s), to keep `make test` under 20 minutes
+        pytest.param("actor.router_replay.log_mismatch=true", marks=pytest.mark.e2e),
+        "actor.router_replay.mode=R3",
+    ],
 )
 def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(
     family_dir, tmp_path, replay
