@@ -62,7 +62,7 @@ def checked_layout(args, arch: ModelArchitecture):
         )
         world = math.lcm(args.tp * args.pp, layout.expert_tensor_size * args.ep * args.pp)
         layout.validate(world, arch)
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         fail(e)
     return layout, world
 

@@ -465,8 +465,10 @@ def load_hf_into_megatron(
 
 
 def unwrap(chunk):
-    """The GPTModel inside a DDP wrapper (or the chunk itself)."""
-    return getattr(chunk, "module", chunk)
+    """The GPTModel inside its wrappers (DDP, Float16Module), or the chunk itself."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
 
 
 def export_hf_tensors(

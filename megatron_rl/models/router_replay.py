@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models.hf_mapping import unwrap
 
 ROUTER_REPLAY_MODES = ("disabled", "R3")
 
@@ -52,16 +53,10 @@ class RouterReplayConfig:
         return self.mode != "disabled" or self.log_mismatch
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):  # DDP, Float16Module
-        model = model.module
-    return model
-
-
 def routers(model) -> list:
     """(global MoE layer index, its router) of a model chunk's layers."""
     out = []
-    for layer in _unwrap(model).decoder.layers:
+    for layer in unwrap(model).decoder.layers:
         router = getattr(layer.mlp, "router", None)
         if router is not None:
             if router.router_replay is None:
@@ -81,7 +76,7 @@ def local_routes(mb: TrainingBatch, layer: int, model) -> torch.Tensor:
     from megatron.core import parallel_state
 
     routes = mb.routed_experts[:, :, layer, :].transpose(0, 1)  # [s, b, k]
-    if _unwrap(model).config.sequence_parallel:
+    if unwrap(model).config.sequence_parallel:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
         routes = routes.chunk(tp, dim=0)[rank]
@@ -98,7 +93,7 @@ class RouteReplay:
 
         self.actions = RouterReplayAction
         self.routers = {id(chunk): routers(chunk) for chunk in chunks}
-        self.sequence_parallel = _unwrap(chunks[0]).config.sequence_parallel
+        self.sequence_parallel = unwrap(chunks[0]).config.sequence_parallel
         self.record = record
         self.mismatch: dict[int, tuple[TrainingBatch, torch.Tensor]] = {}
         """Recording: per micro-batch (in schedule order) [b, s] mismatched layers of each
@@ -172,7 +167,7 @@ class RouteReplay:
 
         b, s = mb.input_ids.shape
         full = torch.zeros(s, b, dtype=torch.long, device=counts.device)
-        if _unwrap(model).config.sequence_parallel:
+        if unwrap(model).config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
             full.chunk(tp, dim=0)[rank].copy_(counts.view(-1, b))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models.hf_mapping import unwrap
 from megatron_rl.parallel import distributed
 
 
@@ -87,9 +88,7 @@ def _moe_padding_mask(mb: TrainingBatch, model) -> torch.Tensor:
     the mask over sequence-parallel ranks on the first pipeline stage only, so later stages
     get theirs split here."""
     mask = mb.padding_mask()
-    unwrapped = model
-    while hasattr(unwrapped, "module"):  # DDP, Float16Module
-        unwrapped = unwrapped.module
+    unwrapped = unwrap(model)
     if unwrapped.config.sequence_parallel and not unwrapped.pre_process:
         # why: megatron-core takes seconds to import: loaded on first use
         from megatron.core import tensor_parallel
