@@ -4,7 +4,8 @@
     out = estimator(AdvantageInputs(scores, response_mask, values=..., group_index=...), config)
 
 Every estimator takes right-padded [B, T] tensors with a 0/1 response mask (holes in the
-mask are skipped, as if those tokens were absent) and returns `AdvantageOutputs`:
+mask are skipped, as if those tokens were absent: a multi-turn rollout's environment tokens
+are such holes) and returns `AdvantageOutputs`:
 `advantages` for the policy loss and `returns` as the critic's targets (critic-free
 estimators return their unwhitened advantages there, for logging).
 
@@ -14,6 +15,15 @@ Registered (paper in each docstring):
 - "rloo": leave-one-out baseline (RLOO);
 - "reinforce_plus_plus": KL-penalised return-to-go, globally whitened (REINFORCE++);
 - "reinforce_plus_plus_baseline": group-mean baseline, then global whitening (REINFORCE++).
+
+Multi-turn rollouts (#47): environment tokens are holes, so GAE bootstraps the last policy
+token of turn k from V at the first policy token of turn k+1 (the state that has read the
+environment's answer) with no discount or lambda decay across the block: one policy token is
+one time step, the environment's answer part of the transition (verl's choice, "skip values
+and TD-error on observation tokens", PR #2337; slime instead steps through them, OpenRLHF
+zeroes their values). `step_rewards` (an environment's per-step rewards, on the policy token
+that caused the step) add to the token rewards of GAE and REINFORCE++; the group estimators
+(GRPO, RLOO, REINFORCE++ with baseline) rate a trajectory by its total, outcome plus steps.
 
 Across data-parallel ranks: group estimators need each prompt's samples on one rank;
 whitening needs global moments. Call the estimator, all-reduce `out.raw_moments()`, then
@@ -96,6 +106,15 @@ class AdvantageInputs:
     """[B] prompt id of each response; samples of one prompt share it (group estimators)."""
     token_kl: torch.Tensor | None = None
     """[B, T] per-token KL to the reference, folded into rewards with config.kl_coef."""
+    step_rewards: torch.Tensor | None = None
+    """[B, T] an environment's per-step rewards on the policy tokens that caused the steps,
+    0 elsewhere (multi-turn rollouts); None: outcome rewards only."""
+
+    def total_scores(self) -> torch.Tensor:
+        """[B] outcome plus step rewards: what the group estimators compare."""
+        if self.step_rewards is None:
+            return self.scores
+        return self.scores + self.step_rewards.sum(dim=1).to(self.scores.dtype)
 
 
 @dataclass(frozen=True)
@@ -225,6 +244,11 @@ def _validate(inputs: AdvantageInputs) -> None:
     if inputs.token_kl is not None:
         check_same_shape("token_kl", inputs.token_kl, "response_mask", mask)
         check_finite("token_kl", inputs.token_kl, mask)
+    if inputs.step_rewards is not None:
+        check_same_shape("step_rewards", inputs.step_rewards, "response_mask", mask)
+        check_finite("step_rewards", inputs.step_rewards)
+        if (inputs.step_rewards != 0)[~mask.bool()].any():
+            raise ValueError("step_rewards must be 0 off the response mask (policy tokens only)")
 
 
 def _token_rewards(inputs: AdvantageInputs, config: AdvantageConfig, scores=None):
@@ -232,7 +256,10 @@ def _token_rewards(inputs: AdvantageInputs, config: AdvantageConfig, scores=None
     kl = inputs.token_kl
     if kl is None or config.kl_coef == 0:
         kl = scores.new_zeros(inputs.response_mask.shape)
-    return kl_penalized_token_rewards(scores, kl, inputs.response_mask, config.kl_coef)
+    rewards = kl_penalized_token_rewards(scores, kl, inputs.response_mask, config.kl_coef)
+    if inputs.step_rewards is not None:
+        rewards = rewards + inputs.step_rewards.to(rewards.dtype)
+    return rewards
 
 
 def _outputs(
@@ -285,8 +312,9 @@ def grpo_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advanta
     grpo_norm_by_std=False only the mean is removed (Dr. GRPO, arXiv 2503.20783)."""
     _validate(inputs)
     check_groups(inputs.group_index, len(inputs.scores), "grpo")
-    _, mean, std = group_stats(inputs.scores, inputs.group_index)
-    adv = inputs.scores.double() - mean
+    scores = inputs.total_scores()
+    _, mean, std = group_stats(scores, inputs.group_index)
+    adv = scores.double() - mean
     if config.grpo_norm_by_std:
         adv = adv / (std + config.eps)
     advantages = broadcast_to_tokens(adv.to(inputs.scores.dtype), inputs.response_mask)
@@ -299,8 +327,9 @@ def rloo_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advanta
     = G/(G-1) * (r_i - mean(r_group)), broadcast to every token of response i."""
     _validate(inputs)
     check_groups(inputs.group_index, len(inputs.scores), "rloo")
-    size, mean, _ = group_stats(inputs.scores, inputs.group_index)
-    adv = size / (size - 1) * (inputs.scores.double() - mean)
+    scores = inputs.total_scores()
+    size, mean, _ = group_stats(scores, inputs.group_index)
+    adv = size / (size - 1) * (scores.double() - mean)
     advantages = broadcast_to_tokens(adv.to(inputs.scores.dtype), inputs.response_mask)
     return _outputs(advantages, advantages, inputs, whiten=False)
 
@@ -330,5 +359,7 @@ def reinforce_pp_baseline_advantages(
     token_kl only to fold it into the rewards instead."""
     _validate(inputs)
     check_groups(inputs.group_index, len(inputs.scores), "reinforce_plus_plus_baseline")
-    _, mean, _ = group_stats(inputs.scores, inputs.group_index)
+    # The baseline is the group's mean total return; it comes off the outcome reward (the
+    # last token), so every token's return-to-go is lowered by it, step rewards staying put.
+    _, mean, _ = group_stats(inputs.total_scores(), inputs.group_index)
     return _reinforce_pp(inputs, config, (inputs.scores.double() - mean).to(inputs.scores.dtype))

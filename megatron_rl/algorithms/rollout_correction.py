@@ -233,3 +233,42 @@ def compute_rollout_correction(
         ]
     )
     return RolloutCorrection(weights, keep, sums, maxima)
+
+
+GAP_TURNS = 8
+"""Turns with a log-prob gap metric of their own; later turns are pooled into the last."""
+
+
+def turn_gap_sums(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    turn_index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """|old - rollout| log-prob per policy turn of multi-turn rollouts, as sums to all-reduce
+    (fixed shapes, so every data-parallel rank takes part whatever turns it holds).
+
+    old_logprobs, rollout_logprobs: [B, S]; response_mask: [B, S] 0/1 (policy tokens);
+    turn_index: [B, S] long, the turn of each token (-1 off the response), turns >= GAP_TURNS
+    pooled into the last. Returns (sums [GAP_TURNS, 2] float64: tokens and summed gaps,
+    SUM-reduce; maxima [GAP_TURNS] float64: the largest gap, MAX-reduce).
+    """
+    valid = response_mask.bool() & (turn_index >= 0)
+    turn = turn_index.clamp(0, GAP_TURNS - 1)[valid]
+    gap = (old_logprobs.double() - rollout_logprobs.double()).abs()[valid]
+    sums = gap.new_zeros(GAP_TURNS, 2)
+    sums[:, 0].index_add_(0, turn, torch.ones_like(gap))
+    sums[:, 1].index_add_(0, turn, gap)
+    maxima = gap.new_zeros(GAP_TURNS).scatter_reduce_(0, turn, gap, "amax")
+    return sums, maxima
+
+
+def turn_gap_metrics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, float]:
+    """`rollout/logprob_gap/turn_{k}/{mean,max}` of the turns that have tokens (the last, k =
+    GAP_TURNS - 1, pools every later turn), from reduced `turn_gap_sums`."""
+    out = {}
+    for k, ((tokens, total), top) in enumerate(zip(sums.tolist(), maxima.tolist(), strict=True)):
+        if tokens > 0:
+            out[f"rollout/logprob_gap/turn_{k}/mean"] = total / tokens
+            out[f"rollout/logprob_gap/turn_{k}/max"] = top
+    return out

@@ -279,17 +279,40 @@ def placeholder_routes(like: torch.Tensor, tokens: int) -> torch.Tensor:
     return ids.expand(b, tokens, layers, k).clone()
 
 
+def env_spans_of(sample, row: int = 0) -> list[tuple[int, int]]:
+    """A sample's environment blocks ([start, end) in its `token_ids`; none for single-turn
+    samples), checked: in order, apart, inside the response, and never its first or last
+    token (a policy turn comes before each block, and a trajectory ends on a policy token,
+    where its outcome reward lands)."""
+    spans = list(getattr(sample, "env_spans", ()))
+    n, previous_end = len(sample.token_ids), 0
+    for start, end in spans:
+        if not previous_end < start < end < n:
+            raise ValueError(
+                f"sample {row}: environment span ({start}, {end}) of its {n} response tokens; "
+                f"expected in order after {previous_end}, not empty, after a policy token "
+                "and before the last token"
+            )
+        previous_end = end
+    return spans
+
+
 def samples_to_batch(samples, pad_token_id: int = 0) -> TrainingBatch:
     """Engine samples (`rollout.vllm_engine.Sample`: `prompt_token_ids`, `token_ids`, and
     `routed_experts` when the engine recorded them) -> right-padded [B, S] prompt+response
-    batch with a response mask, in host memory."""
+    batch with a response mask, in host memory. Multi-turn samples keep their environment
+    blocks in the sequence (the model reads them) and out of the response mask (no loss,
+    no advantage, no critic target lands on them: every estimator skips mask holes)."""
     seqs = [s.prompt_token_ids + s.token_ids for s in samples]
     length = max(map(len, seqs))
     ids = torch.full((len(seqs), length), pad_token_id, dtype=torch.long, device="cpu")
     mask = torch.zeros(len(seqs), length, device="cpu")
     for i, (s, seq) in enumerate(zip(samples, seqs, strict=True)):
         ids[i, : len(seq)] = torch.tensor(seq, device="cpu")
-        mask[i, len(s.prompt_token_ids) : len(seq)] = 1
+        start = len(s.prompt_token_ids)
+        mask[i, start : len(seq)] = 1
+        for a, b in env_spans_of(s, i):
+            mask[i, start + a : start + b] = 0
     routes = [getattr(s, "routed_experts", None) for s in samples]
     if all(r is None for r in routes):
         return TrainingBatch(input_ids=ids, response_mask=mask)
@@ -321,11 +344,47 @@ def rated_to_batch(
 
 def engine_logprobs_of(samples, batch: TrainingBatch) -> torch.Tensor:
     """The engine's log-probs of the sampled tokens, [B, S] aligned like the actor's, on the
-    batch's device."""
+    batch's device; 0 on environment tokens (never sampled)."""
     out = torch.zeros(batch.input_ids.shape, device="cpu")
     for i, s in enumerate(samples):
         start = len(s.prompt_token_ids)
         out[i, start : start + len(s.logprobs)] = torch.tensor(s.logprobs, device="cpu")
+        for a, b in env_spans_of(s, i):
+            out[i, start + a : start + b] = 0
+    return out.to(batch.input_ids.device)
+
+
+def turn_index_of(samples, batch: TrainingBatch) -> torch.Tensor:
+    """[B, S] long on the batch's device: k on the tokens of policy turn k and on the
+    environment block that answers it, -1 on prompt and padding (per-turn metrics; the
+    environment's tokens are those with turn >= 0 outside the response mask)."""
+    out = torch.full(batch.input_ids.shape, -1, dtype=torch.long, device="cpu")
+    for i, s in enumerate(samples):
+        start, turn_start = len(s.prompt_token_ids), 0
+        for k, (_, end) in enumerate(env_spans_of(s, i)):
+            out[i, start + turn_start : start + end] = k
+            turn_start = end
+        out[i, start + turn_start : start + len(s.token_ids)] = len(getattr(s, "env_spans", ()))
+    return out.to(batch.input_ids.device)
+
+
+def step_rewards_of(samples, batch: TrainingBatch) -> torch.Tensor | None:
+    """[B, S] float64 on the batch's device: each environment step's reward on the policy
+    token that caused it (summed where several land on one), 0 elsewhere; None when no
+    sample has one (single-turn rollouts, environments rewarding only the outcome)."""
+    if not any(getattr(s, "step_rewards", None) for s in samples):
+        return None
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float64, device="cpu")
+    for i, s in enumerate(samples):
+        start, spans = len(s.prompt_token_ids), env_spans_of(s, i)
+        for index, reward in s.step_rewards:
+            in_env = any(a <= index < b for a, b in spans)
+            if not 0 <= index < len(s.token_ids) or in_env:
+                raise ValueError(
+                    f"sample {i}: step reward {reward} at response token {index}, which is "
+                    "not a policy token (expected the last token of the turn that caused it)"
+                )
+            out[i, start + index] += reward
     return out.to(batch.input_ids.device)
 
 

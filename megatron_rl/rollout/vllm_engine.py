@@ -92,7 +92,8 @@ class Sample:
     softmax(logits / temperature), truncated by top-k / top-p and renormalised (vLLM's
     `processed_logprobs`; its default would report the untempered, untruncated ones)."""
     finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (hit max_new_tokens)."""
+    """"stop" (EOS or a stop token) or "length" (hit max_new_tokens); multi-turn rollouts
+    also end with "max_turns" or "budget" (`rollout.multi_turn`)."""
     segments: list[tuple[int, int]] = field(default_factory=list)
     """Partial rollouts (`generate(..., refresh=...)`): (index of its first token, policy
     version) of each stretch of `token_ids` sampled under one set of weights, in order.
@@ -101,9 +102,25 @@ class Sample:
     """With `EngineConfig.record_routes`: uint8 [prompt + response - 1, MoE layers, top-k],
     the experts each token but the last (sampled, never run) was routed to in every layer."""
 
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    """Multi-turn rollouts: [start, end) in `token_ids` of each environment block (a tool's
+    answer in the chat template's tool role), in order. Those tokens are context, not
+    actions: `logprobs` holds 0.0 there and the batch leaves them out of the response mask.
+    The ids are the encoded block as appended, never re-encoded with the policy's tokens.
+    Empty for single-turn rollouts."""
+    step_rewards: list[tuple[int, float]] = field(default_factory=list)
+    """Multi-turn rollouts: (index in `token_ids` of the policy token that caused the
+    environment's step, that step's reward), for environments that reward steps."""
+
     @property
     def response_length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_turns(self) -> int:
+        """Policy turns: one more than its environment blocks (a trajectory ends on a
+        policy token)."""
+        return len(self.env_spans) + 1
 
     @property
     def mixed_version(self) -> bool:

@@ -8,6 +8,11 @@ samples -> tokens + response mask, scores, groups
            all-reduced over data-parallel ranks, so it is global)
         -> rollout correction: the engine's log-probs against the old ones (diagnostics
            every step; importance weights / rejection when configured)
+
+Multi-turn samples (#47) carry environment tokens: out of the response mask (samples_to_batch),
+so no estimator, loss or metric counts them; their environments' step rewards enter the
+estimator (`step_rewards_of`); the log-prob gap is also reported per turn, in the same
+all-reduce as the rest of the diagnostics, for runs whose samples have a second turn.
 """
 
 from __future__ import annotations
@@ -24,12 +29,19 @@ from megatron_rl.algorithms.advantages import (
 )
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.masked import masked_mean
-from megatron_rl.algorithms.rollout_correction import CorrectionSums, compute_rollout_correction
+from megatron_rl.algorithms.rollout_correction import (
+    CorrectionSums,
+    compute_rollout_correction,
+    turn_gap_metrics,
+    turn_gap_sums,
+)
 from megatron_rl.data.batch import (
     TrainingBatch,
     engine_logprobs_of,
     forward_microbatches,
     rated_to_batch,
+    step_rewards_of,
+    turn_index_of,
 )
 from megatron_rl.parallel.collectives import (
     data_parallel_explained_variance,
@@ -45,6 +57,7 @@ def compute_advantages(
     config: AdvantageConfig,
     values: torch.Tensor | None = None,
     token_kl: torch.Tensor | None = None,
+    step_rewards: torch.Tensor | None = None,
 ) -> AdvantageOutputs:
     """The estimator's outputs ([B, S] aligned to tokens) with DP-global whitening."""
     inputs = AdvantageInputs(
@@ -53,6 +66,7 @@ def compute_advantages(
         values=None if values is None else values.double(),
         group_index=group_index,
         token_kl=None if token_kl is None else token_kl.double(),
+        step_rewards=step_rewards,
     )
     out = get_adv_estimator(config.estimator)(inputs, config)
     return out.rewhiten(data_parallel_moments(out.raw_moments()))
@@ -86,7 +100,8 @@ def make_experience(
     batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
     split = forward_micro_batching(config, "actor", len(batch))
     mask = batch.response_mask
-    engine_lp = engine_logprobs_of([r.sample for g in groups for r in g], batch)
+    samples = [r.sample for g in groups for r in g]
+    engine_lp = engine_logprobs_of(samples, batch)
     rc_config = config.algorithm.rollout_correction
     if rc_config.bypass_mode:  # pi_old is the behaviour policy: no actor forward
         old = engine_lp
@@ -111,7 +126,8 @@ def make_experience(
             batch, **forward_micro_batching(config, "critic", len(batch))
         )
         fields["old_values"] = values
-    out = compute_advantages(batch, group_index, config.algorithm, values, token_kl)
+    step_rewards = step_rewards_of(samples, batch)
+    out = compute_advantages(batch, group_index, config.algorithm, values, token_kl, step_rewards)
     advantages, returns = out.advantages.float(), out.returns.float()
     if out.lambda_policy is not None:  # per sequence; rows without a token never use it
         lam = out.lambda_policy[mask.sum(dim=1) > 0]
@@ -135,7 +151,15 @@ def make_experience(
     if rc_config.bypass_mode:  # old is the engine's: its gap to itself says nothing
         return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics
     rc = compute_rollout_correction(old, engine_lp, mask, rc_config)
-    metrics.update(CorrectionSums.metrics(data_parallel_sum(rc.sums), data_parallel_max(rc.maxima)))
+    turn_sums, turn_max = turn_gap_sums(old, engine_lp, mask, turn_index_of(samples, batch))
+    # One all-reduce each for the batch's and the turns' diagnostics (fixed shapes).
+    sums = data_parallel_sum(torch.cat([rc.sums, turn_sums.flatten()]))
+    maxima = data_parallel_max(torch.cat([rc.maxima, turn_max]))
+    n, m = len(rc.sums), len(rc.maxima)
+    metrics.update(CorrectionSums.metrics(sums[:n], maxima[:m]))
+    turn_sums, turn_max = sums[n:].view_as(turn_sums), maxima[m:]
+    if turn_sums[1:, 0].sum() > 0:  # some sample of the global batch had a second turn
+        metrics.update(turn_gap_metrics(turn_sums, turn_max))
     if rc.weights is not None:
         fields["rollout_is_weights"] = rc.weights
     if rc_config.rejects:
