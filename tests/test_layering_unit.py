@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "megatron_rl.fsutil",
         "megatron_rl.numerics",
         "megatron_rl.procutil",
+        "megatron_rl.plugins",
         "megatron_rl.preemption",
         "megatron_rl.stack",
         # the generic YAML / key=value loader, once config.py is a package (names no section)
@@ -46,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megatron_rl.models",),
     ("megatron_rl.workers",),
     ("megatron_rl.rewards",),
+    ("megatron_rl.envs",),
     ("megatron_rl.rollout",),
     ("megatron_rl.sync", "megatron_rl.memory_plan", "megatron_rl.launch"),
     # the run's config and its validation (names every piece above), with the trainer's

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
+from megatron_rl.plugins import load_callable
 from megatron_rl.rewards.base import RewardFunction, RewardInput
 from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 from megatron_rl.rewards.math_symbolic import warm_up
@@ -19,25 +17,6 @@ class MathReward(RewardFunction):
 
     def score_one(self, sample: RewardInput) -> float:
         return math_reward(sample.response, sample.label, self.config)
-
-
-def load_callable(path: str, what: str = "reward function") -> Callable:
-    """`package.module:function` -> the function, with errors that name the path."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import module {module_name!r}: {e}") from e
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {path!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{what} {path!r}: {attr!r} is not callable")
-    return obj
 
 
 class PythonReward(RewardFunction):

@@ -16,7 +16,7 @@ import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from megatron_rl.rewards.functions import load_callable
+from megatron_rl.plugins import load_callable
 from megatron_rl.rewards.math_reward import math_reward
 
 

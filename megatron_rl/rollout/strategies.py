@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.rewards.functions import load_callable
+from megatron_rl.plugins import load_callable
 
 
 @dataclass
