@@ -272,3 +272,22 @@ def turn_gap_metrics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, floa
             out[f"rollout/logprob_gap/turn_{k}/mean"] = total / tokens
             out[f"rollout/logprob_gap/turn_{k}/max"] = top
     return out
+
+
+def pack_diagnostics(
+    rc: RolloutCorrection, turn_sums: torch.Tensor, turn_maxima: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's and the turns' diagnostics as one tensor of sums and one of maxima: one
+    all-reduce each (SUM, MAX) over data-parallel ranks, then `diagnostics_metrics`."""
+    return torch.cat([rc.sums, turn_sums.flatten()]), torch.cat([rc.maxima, turn_maxima])
+
+
+def diagnostics_metrics(sums: torch.Tensor, maxima: torch.Tensor) -> dict[str, float]:
+    """Metrics of reduced `pack_diagnostics`: `CorrectionSums.metrics`, and the per-turn gap
+    when some sample of the (global) batch had a second turn."""
+    n, m = len(CorrectionSums.FIELDS), len(CorrectionSums.MAX_FIELDS)
+    metrics = CorrectionSums.metrics(sums[:n], maxima[:m])
+    turns = sums[n:].view(GAP_TURNS, 2)
+    if turns[1:, 0].sum() > 0:
+        metrics.update(turn_gap_metrics(turns, maxima[m:]))
+    return metrics

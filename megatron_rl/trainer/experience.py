@@ -30,9 +30,9 @@ from megatron_rl.algorithms.advantages import (
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.masked import masked_mean
 from megatron_rl.algorithms.rollout_correction import (
-    CorrectionSums,
     compute_rollout_correction,
-    turn_gap_metrics,
+    diagnostics_metrics,
+    pack_diagnostics,
     turn_gap_sums,
 )
 from megatron_rl.data.batch import (
@@ -151,15 +151,9 @@ def make_experience(
     if rc_config.bypass_mode:  # old is the engine's: its gap to itself says nothing
         return batch.with_fields(advantages=advantages, returns=returns, **fields), metrics
     rc = compute_rollout_correction(old, engine_lp, mask, rc_config)
-    turn_sums, turn_max = turn_gap_sums(old, engine_lp, mask, turn_index_of(samples, batch))
-    # One all-reduce each for the batch's and the turns' diagnostics (fixed shapes).
-    sums = data_parallel_sum(torch.cat([rc.sums, turn_sums.flatten()]))
-    maxima = data_parallel_max(torch.cat([rc.maxima, turn_max]))
-    n, m = len(rc.sums), len(rc.maxima)
-    metrics.update(CorrectionSums.metrics(sums[:n], maxima[:m]))
-    turn_sums, turn_max = sums[n:].view_as(turn_sums), maxima[m:]
-    if turn_sums[1:, 0].sum() > 0:  # some sample of the global batch had a second turn
-        metrics.update(turn_gap_metrics(turn_sums, turn_max))
+    turns = turn_gap_sums(old, engine_lp, mask, turn_index_of(samples, batch))
+    sums, maxima = pack_diagnostics(rc, *turns)
+    metrics.update(diagnostics_metrics(data_parallel_sum(sums), data_parallel_max(maxima)))
     if rc.weights is not None:
         fields["rollout_is_weights"] = rc.weights
     if rc_config.rejects:

@@ -12,6 +12,10 @@ from megatron_rl.algorithms import AdvantageConfig, AdvantageInputs, get_adv_est
 from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.algorithms.rollout_correction import (
     GAP_TURNS,
+    RolloutCorrectionConfig,
+    compute_rollout_correction,
+    diagnostics_metrics,
+    pack_diagnostics,
     turn_gap_metrics,
     turn_gap_sums,
 )
@@ -235,3 +239,29 @@ def test_the_logprob_gap_is_counted_per_turn_and_later_turns_pooled():
     for k, (mean, top) in expected.items():
         assert metrics[f"rollout/logprob_gap/turn_{k}/mean"] == pytest.approx(mean)
         assert metrics[f"rollout/logprob_gap/turn_{k}/max"] == pytest.approx(top)
+
+
+@pytest.mark.parametrize("samples", [SAMPLES, SAMPLES[1:2]], ids=["multi-turn", "single-turn"])
+def test_the_per_turn_gap_is_reported_with_the_batch_diagnostics_when_a_second_turn_exists(
+    samples,
+):
+    """What the experience maker logs: the batch's gap over policy tokens only (environment
+    tokens' placeholder log-probs never count), and per turn once some sample has two."""
+    batch = samples_to_batch(samples)
+    engine = engine_logprobs_of(samples, batch)
+    old = engine - 0.01 * turn_index_of(samples, batch).clamp(min=0) - 0.001 * batch.response_mask
+    old = torch.where(batch.response_mask.bool(), old, -5.0)  # junk off the policy tokens
+    rc = compute_rollout_correction(old, engine, batch.response_mask, RolloutCorrectionConfig())
+    turns = turn_gap_sums(old, engine, batch.response_mask, turn_index_of(samples, batch))
+    metrics = diagnostics_metrics(*pack_diagnostics(rc, *turns))
+    policy = batch.response_mask.bool()
+    gap = (old - engine).abs()[policy]
+    assert metrics["rollout/logprob_gap/mean"] == pytest.approx(gap.mean().item())
+    assert metrics["rollout/logprob_gap/max"] == pytest.approx(gap.max().item())
+    per_turn = {k for k in metrics if "/turn_" in k}
+    if len(samples) == 1:
+        assert per_turn == set()
+    else:  # turns 0, 1, 2: gaps 0.001, 0.011, 0.021
+        assert len(per_turn) == 6
+        for k, want in enumerate([0.001, 0.011, 0.021]):
+            assert metrics[f"rollout/logprob_gap/turn_{k}/mean"] == pytest.approx(want, rel=1e-4)
