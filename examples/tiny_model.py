@@ -51,6 +51,22 @@ TEMPLATES = {
         "<|endoftext|>",
         CHAT_TEMPLATE,
     ),
+    # ChatML with Qwen2.5's tool-call markers as tokens of their own: multi-turn rollouts
+    # stop at `</tool_call>`'s id (`rollout/tool_formats.py`)
+    "chatml_tools": (
+        [
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+        ],
+        "<|im_end|>",
+        "<|endoftext|>",
+        CHAT_TEMPLATE,
+    ),
     "llama3": (
         [
             "<|begin_of_text|>",

@@ -23,6 +23,14 @@ def tiny_tied_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model_dir(tmp_path_factory):
+    """The tiny Qwen2 with Qwen2.5's tool-call markers as tokens (`chatml_tools`): multi-turn
+    rollouts stop at `</tool_call>`."""
+    spec = TinyModelSpec(chat_template="chatml_tools", seed=2)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-tools", spec)
+
+
+@pytest.fixture(scope="session")
 def llama_rm_dir(tmp_path_factory):
     """A reward model of another family than the actor: Llama architecture, Llama-3 chat
     template, its own tokenizer, a [1, hidden] score head."""

@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import ClassVar
 
 from megatron_rl.config.loader import items_parsed_by
+from megatron_rl.envs.config import EnvConfig
 from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
 from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
+from megatron_rl.rollout.tool_formats import TRUNCATE_SIDES, tool_format
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 
@@ -52,6 +54,40 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     """How a mixture-of-experts policy routes and dispatches (megatron-core's `moe_*` names);
     the experts themselves come from the checkpoint's config."""
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (#47; verl's `rollout.multi_turn`, docs/tools.md): the
+    policy generates until a tool call, `env` answers, the answer's tokens are appended, and
+    the policy goes on; the trainer learns from exactly the ids the engine sampled, the
+    answers in the sequence and out of the loss."""
+
+    enable: bool = False
+    max_turns: int = 2
+    """Policy turns per trajectory (verl's `max_assistant_turns`)."""
+    max_response_length: int = 256
+    """Tokens after the prompt, policy turns and answers together (verl's
+    `response_length`); each turn draws at most rollout.max_new_tokens of them."""
+    format: str = "hermes"
+    """How calls are written and answers appended (`rollout/tool_formats.py`): "hermes"
+    (Qwen2.5 / Qwen3's `<tool_call>` JSON), "code" (raw code in `<tool_call>`, ReTool / ToRL
+    style)."""
+    max_tool_response_length: int = 256
+    """Characters of an answer kept (verl's name)."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a longer answer is kept: "left" (its start), "right", "middle" (both
+    ends; verl's name)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+
+    def __post_init__(self) -> None:
+        check_at_least(self, max_turns=1, max_response_length=1, max_tool_response_length=1)
+        tool_format(self.format)  # refuses unknown formats and those not built, by name
+        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(
+                f"tool_response_truncate_side must be one of {TRUNCATE_SIDES}, got "
+                f"{self.tool_response_truncate_side!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -95,6 +131,7 @@ class RolloutConfig:
     engine_ranks: int = 0
     """With placement=disaggregated: how many ranks (the last of the world) run the rollout
     engines, vllm_tensor_parallel_size ranks each; 0 with placement=colocated."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self) -> None:
         check_at_least(self, rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=1)
@@ -135,6 +172,13 @@ class RolloutConfig:
     @property
     def truncated(self) -> bool:
         return self.top_p < 1 or self.top_k > 0
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response: max_new_tokens, or a multi-turn trajectory's length."""
+        if self.multi_turn.enable:
+            return self.multi_turn.max_response_length
+        return self.max_new_tokens
 
 
 @dataclass(frozen=True)

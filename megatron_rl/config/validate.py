@@ -58,6 +58,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     check_batches(config, trainers, dp)
     check_models(config)
     check_rollout_correction(config)
+    check_multi_turn(config)
 
 
 def check_rollout_correction(config: TrainConfig) -> None:
@@ -228,7 +229,7 @@ def check_batches(config: TrainConfig, world_size: int, dp: int) -> None:
             f"algorithm.estimator={config.algorithm.estimator!r} needs "
             f"rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}"
         )
-    longest = config.data.max_prompt_length + r.max_new_tokens
+    longest = config.data.max_prompt_length + r.max_response_tokens
     for role in ("actor", "critic"):
         role_cfg = getattr(config, role)
         for forward in (False, True):
@@ -237,9 +238,48 @@ def check_batches(config: TrainConfig, world_size: int, dp: int) -> None:
                 key = role_cfg.forward_budget_key if forward else "ppo_max_token_len_per_gpu"
                 raise ConfigError(
                     f"{role}.{key}={budget} (with use_dynamic_bsz) is below the longest "
-                    f"sequence, data.max_prompt_length + rollout.max_new_tokens = {longest}: "
+                    f"sequence, data.max_prompt_length + {_response_key(r)} = {longest}: "
                     "one sequence must fit a micro-batch"
                 )
+
+
+def _response_key(r) -> str:
+    return (
+        "rollout.multi_turn.max_response_length"
+        if r.multi_turn.enable
+        else "rollout.max_new_tokens"
+    )
+
+
+def check_multi_turn(config: TrainConfig) -> None:
+    """Multi-turn rollouts (#47) with what they are built for: the colocated placement,
+    whole trajectories in one policy version, no recorded routes; and their lengths."""
+    r = config.rollout
+    m = r.multi_turn
+    if not m.enable:
+        return
+    refused = [
+        (r.placement != "colocated", f"rollout.placement={r.placement} (engine ranks run "
+         "no environment pool yet)"),
+        (config.async_.partial_rollout, "async.partial_rollout=true (a trajectory continued "
+         "under new weights across tool calls is not built)"),
+        (config.actor.router_replay.needs_routes, "actor.router_replay (the routes of "
+         "re-prefilled turns are not recorded)"),
+    ]  # fmt: skip
+    for refuse, what in refused:
+        if refuse:
+            raise ConfigError(f"rollout.multi_turn.enable=true does not work with {what}")
+    if r.max_new_tokens > m.max_response_length:
+        raise ConfigError(
+            f"rollout.max_new_tokens={r.max_new_tokens} (one turn) is more than "
+            f"rollout.multi_turn.max_response_length={m.max_response_length} (all turns)"
+        )
+    longest = config.data.max_prompt_length + m.max_response_length
+    if r.max_model_len is not None and longest > r.max_model_len:
+        raise ConfigError(
+            f"data.max_prompt_length + rollout.multi_turn.max_response_length = {longest} "
+            f"is more than rollout.max_model_len={r.max_model_len}"
+        )
 
 
 def check_models(config: TrainConfig) -> None:

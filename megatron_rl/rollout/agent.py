@@ -70,6 +70,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     step_rewards: list[tuple[int, float]] = field(default_factory=list)
+    tool_status: list[str] = field(default_factory=list)
     turns: int = 0
     state: object = None
     finish_reason: str | None = None
@@ -83,34 +84,47 @@ class Trajectory:
         return Sample(
             self.prompt_index, self.sample_index, self.prompt, self.tokens, self.logprobs,
             self.finish_reason or "stop", env_spans=self.env_spans,
-            step_rewards=self.step_rewards,
+            step_rewards=self.step_rewards, tool_status=self.tool_status,
         )  # fmt: skip
 
 
-@dataclass
-class AgentStats:
-    """Counts of one rollout, for the `rollout/multi_turn/*` and `tool/*` metrics."""
+FINISH_REASONS = ("stop", "length", "max_turns", "budget")
+TOOL_STATUSES = (
+    "ok",
+    "error",
+    "timeout",
+    "output_limit",
+    "killed",
+    "bad_call",
+    "env_error",
+    "died",
+)
+"""How a call went: the sandbox's result, a call that could not be parsed or named another
+function (bad_call), or the pool's failures (`envs/pool.py`). Every one is logged, 0 where
+none happened, so that ranks' metrics average over the same keys."""
 
-    turns: list[int] = field(default_factory=list)
-    env_tokens: int = 0
-    policy_tokens: int = 0
-    tool_status: Counter = field(default_factory=Counter)
-    finish: Counter = field(default_factory=Counter)
 
-    def metrics(self) -> dict[str, float]:
-        n = max(len(self.turns), 1)
-        calls = sum(self.tool_status.values())
-        out = {
-            "rollout/multi_turn/turns/mean": sum(self.turns) / n,
-            "rollout/multi_turn/env_tokens/mean": self.env_tokens / n,
-            "rollout/multi_turn/policy_tokens/mean": self.policy_tokens / n,
-            "rollout/multi_turn/tool_calls/mean": calls / n,
-        }
-        out.update({f"rollout/finish/{k}": v / n for k, v in sorted(self.finish.items())})
-        out.update(
-            {f"tool/{k}_rate": v / max(calls, 1) for k, v in sorted(self.tool_status.items())}
+def multi_turn_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`rollout/multi_turn/*`, `rollout/finish/*` and `tool/*_rate` of a rollout's samples
+    (every known finish reason and tool status, 0 where none happened)."""
+    n = max(len(samples), 1)
+    env = [sum(b - a for a, b in s.env_spans) for s in samples]
+    statuses = Counter(status for s in samples for status in s.tool_status)
+    calls = max(sum(statuses.values()), 1)
+    out = {
+        "rollout/multi_turn/turns/mean": sum(s.num_turns for s in samples) / n,
+        "rollout/multi_turn/env_tokens/mean": sum(env) / n,
+        "rollout/multi_turn/policy_tokens/mean": sum(
+            len(s.token_ids) - e for s, e in zip(samples, env, strict=True)
         )
-        return out
+        / n,
+        "rollout/multi_turn/tool_calls/mean": sum(statuses.values()) / n,
+    }
+    finish = Counter(s.finish_reason for s in samples)
+    out.update({f"rollout/finish/{k}": finish[k] / n for k in FINISH_REASONS})
+    for k in sorted(set(TOOL_STATUSES) | set(statuses)):
+        out[f"tool/{k}_rate"] = statuses[k] / calls
+    return out
 
 
 def run_turns(
@@ -120,43 +134,38 @@ def run_turns(
     sampling: SamplingConfig,
     seeds: list[int] | None,
     spec: AgentSpec,
-    pool,
+    steps: EnvSteps | SharedEnvSteps,
     tokenizer,
     should_stop: Callable[[], bool] | None = None,
-) -> tuple[list[Sample], AgentStats]:
-    """`sampling.n` multi-turn samples per prompt, prompt-major as `engine.generate`'s, and
-    the rollout's counts. `pool`: an `EnvPool`; `tokenizer`: the policy's (decodes turns to
-    read calls, encodes answers once). `should_stop` is asked by the engine and between
-    pool polls; yes cancels the pool's steps and raises `StepAborted("rollout/tools")`."""
-    stats = AgentStats()
+) -> list[Sample]:
+    """`sampling.n` multi-turn samples per prompt, prompt-major as `engine.generate`'s.
+    `steps` runs the environment's requests (`EnvSteps` around an
+    `EnvPool`); `tokenizer`: the policy's (decodes turns to read calls, encodes answers
+    once). `should_stop` goes to the engine and is asked between pool polls; yes cancels
+    the pool's steps and raises `StepAborted`."""
     trajectories = [
         Trajectory(i, j, list(p), tasks[i], None if seeds is None else seeds[i])
         for i, p in enumerate(prompts)
         for j in range(sampling.n)
     ]
-    _reset(trajectories, pool, tokenizer, spec, should_stop)
+    _reset(trajectories, steps, tokenizer, spec, should_stop)
     sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, spec.call_end_id))
     active = [t for t in trajectories if t.finish_reason is None]
     while active:
         _generate_turn(engine, active, sampling, spec, should_stop)
         stepping = [t for t in active if _wants_step(t, spec)]
-        answers = _steps(stepping, pool, tokenizer, spec, should_stop)
+        answers = _steps(stepping, steps, tokenizer, spec, should_stop)
         for t in stepping:
-            _apply(t, answers[t.key], tokenizer, spec, stats)
+            _apply(t, answers[t.key], tokenizer, spec)
         active = [t for t in active if t.finish_reason is None]
-    for t in trajectories:
-        stats.turns.append(t.turns)
-        stats.env_tokens += sum(b - a for a, b in t.env_spans)
-        stats.policy_tokens += len(t.tokens) - sum(b - a for a, b in t.env_spans)
-        stats.finish[t.finish_reason] += 1
-    return [t.sample() for t in trajectories], stats
+    return [t.sample() for t in trajectories]
 
 
-def _reset(trajectories, pool, tokenizer, spec, should_stop) -> None:
+def _reset(trajectories, steps, tokenizer, spec, should_stop) -> None:
     """Each prompt's first state, shared by its samples (one task, one reset); a first
     observation joins the prompt (context, never trained on, as the prompt is)."""
     tasks = {t.prompt_index: t.task for t in trajectories}
-    outcomes = _await(pool, {i: ("reset", task) for i, task in tasks.items()}, should_stop)
+    outcomes = steps.run({i: ("reset", task) for i, task in tasks.items()}, should_stop)
     for i, reset in outcomes.items():
         if not hasattr(reset, "state"):  # EnvFailure: the trajectory cannot start
             raise RuntimeError(
@@ -224,7 +233,7 @@ def _wants_step(t: Trajectory, spec: AgentSpec) -> bool:
     return True
 
 
-def _steps(stepping, pool, tokenizer, spec, should_stop) -> dict:
+def _steps(stepping, steps, tokenizer, spec, should_stop) -> dict:
     requests = {}
     for t in stepping:
         start = t.env_spans[-1][1] if t.env_spans else 0
@@ -233,20 +242,52 @@ def _steps(stepping, pool, tokenizer, spec, should_stop) -> dict:
         if t.last_ended_by == "call":
             call, error = spec.format.parse(text)
         requests[t.key] = ("step", t.state, Action(text, t.last_ended_by, call, error))
-    return _await(pool, requests, should_stop)
+    return steps.run(requests, should_stop)
 
 
-def _await(pool, requests: dict, should_stop) -> dict:
-    """Submit every request and wait for all outcomes, asking the stop request between polls."""
-    for key, request in requests.items():
-        pool.submit(key, request)
-    outcomes: dict = {}
-    while len(outcomes) < len(requests):
-        if should_stop is not None and should_stop():
-            pool.cancel_all()
-            raise StepAborted("rollout/tools")
-        outcomes.update(pool.poll(POLL_S))
-    return outcomes
+class EnvSteps:
+    """Runs environment requests on a pool and waits for every outcome, asking the stop
+    request between polls (yes: the pool's steps cancelled, `StepAborted("rollout/tools")`)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def run(self, requests: dict, should_stop: Callable[[], bool] | None) -> dict:
+        for key, request in requests.items():
+            self.pool.submit(key, request)
+        outcomes: dict = {}
+        while len(outcomes) < len(requests):
+            if should_stop is not None and should_stop():
+                self.pool.cancel_all()
+                raise StepAborted("rollout/tools")
+            outcomes.update(self.pool.poll(POLL_S))
+        return outcomes
+
+
+class SharedEnvSteps:
+    """`EnvSteps` for an engine of several ranks (vLLM TP > 1): its ranks step in lockstep
+    and must append the same answers, so only the engine's first rank (`src`, global rank)
+    runs the pool and broadcasts the outcomes over the engine's gloo `group`. A stop is
+    that rank's to see while tools run (a job's stop signal reaches every rank) and goes
+    to the others in the same broadcast; the engine agrees on stops while it generates."""
+
+    def __init__(self, local: EnvSteps | None, group, src: int):
+        self.local, self.group, self.src = local, group, src
+
+    def run(self, requests: dict, should_stop: Callable[[], bool] | None) -> dict:
+        # why: torch.distributed only where an engine spans ranks
+        import torch.distributed as dist
+
+        box: list = [None]
+        if self.local is not None:
+            try:
+                box[0] = self.local.run(requests, should_stop)
+            except StepAborted as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        if isinstance(box[0], StepAborted):
+            raise box[0]
+        return box[0]
 
 
 def _answer_text(observation: str, spec: AgentSpec) -> str:
@@ -254,11 +295,11 @@ def _answer_text(observation: str, spec: AgentSpec) -> str:
     return spec.format.answer(cut)
 
 
-def _apply(t: Trajectory, result: StepResult, tokenizer, spec: AgentSpec, stats) -> None:
+def _apply(t: Trajectory, result: StepResult, tokenizer, spec: AgentSpec) -> None:
     """The environment's answer to the turn: its reward on the turn's last token, then the
     answer appended (encoded once, alone) or the trajectory ended."""
     if t.last_ended_by == "call":
-        stats.tool_status[result.info.get("status", "ok")] += 1
+        t.tool_status.append(str(result.info.get("status", "ok")))
     if result.reward:
         t.step_rewards.append((len(t.tokens) - 1, float(result.reward)))
     t.state = result.state
@@ -281,3 +322,34 @@ def _apply(t: Trajectory, result: StepResult, tokenizer, spec: AgentSpec, stats)
     t.tokens += block
     t.logprobs += [0.0] * len(block)
     t.finish_reason = None
+
+
+class AgentEngine:
+    """A rollout engine whose `generate` runs multi-turn rollouts (`run_turns`) on the engine
+    it wraps; every other attribute (sleep, wake_up, update_weights, ...) is that engine's.
+    `generate(..., tasks=)` takes each prompt's `Task` (what the environment's reset reads);
+    without them (an evaluation) the tasks are empty."""
+
+    multi_turn = True
+
+    def __init__(self, engine, spec: AgentSpec, steps: EnvSteps | SharedEnvSteps, tokenizer):
+        self.engine, self.spec, self.steps, self.tokenizer = engine, spec, steps, tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        tasks: list[Task] | None = None,
+    ) -> list[Sample]:
+        tasks = tasks if tasks is not None else [Task(None)] * len(prompts)
+        if len(tasks) != len(prompts):
+            raise ValueError(f"{len(tasks)} tasks for {len(prompts)} prompts")
+        return run_turns(
+            self.engine, prompts, tasks, sampling, seeds, self.spec, self.steps, self.tokenizer,
+            should_stop,
+        )  # fmt: skip

@@ -28,9 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from megatron_rl.envs.base import Task
 from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.scorer import check_failure_ratio
+from megatron_rl.rollout.agent import multi_turn_metrics
 from megatron_rl.rollout.strategies import Group, RatedSample, make_strategy
 from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig, WeightRefresh
 
@@ -102,6 +104,19 @@ def chunk_seeds(seed: int, prompts, chunk: int) -> list[int]:
     return [request_seed(seed, p.row, chunk, i) for i, p in enumerate(prompts)]
 
 
+def response_texts(tokenizer, samples: list[Sample]) -> list[str]:
+    """What the reward functions read of each sample: its response decoded (special tokens
+    dropped); of a multi-turn sample, only the policy's own turns, joined, so an answer the
+    tool printed is never credited to the policy."""
+    runs = [s.policy_token_runs() for s in samples]
+    flat = tokenizer.batch_decode([r for rs in runs for r in rs], skip_special_tokens=True)
+    texts, i = [], 0
+    for rs in runs:
+        texts.append("".join(flat[i : i + len(rs)]))
+        i += len(rs)
+    return texts
+
+
 def reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
     """What the reward functions score: each sample (its `prompt_index` into `prompts`, the
     prompt records) with its decoded response `texts`. The rollout and the evaluation
@@ -156,6 +171,7 @@ def generate_samples_with_rating(
     if refresh is not None:
         in_engine["refresh"] = refresh
     config = config or RatingConfig()
+    multi_turn = getattr(engine, "multi_turn", False)
     if rollout_size < 1:
         raise ValueError(f"rollout_size must be >= 1, got {rollout_size}")
     strategy = make_strategy(config.strategy, config.strategy_options)
@@ -184,9 +200,10 @@ def generate_samples_with_rating(
             t0 = time.time()
             ids = [p.prompt_token_ids for p in batch]
             seeds = None if seed is None else chunk_seeds(seed, batch, num_chunks)
-            samples = engine.generate(ids, sampling, seeds, **in_engine)
+            tasks = {"tasks": [Task(p.prompt, p.label) for p in batch]} if multi_turn else {}
+            samples = engine.generate(ids, sampling, seeds, **in_engine, **tasks)
             timeline.append(("generate", num_chunks, t0, time.time()))
-            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+            texts = response_texts(tokenizer, samples)
             handle = reward_fns.submit(reward_inputs(batch, samples, texts))
             inflight.append(_Chunk(num_chunks, batch, samples, texts, handle))
             num_chunks += 1
@@ -220,6 +237,8 @@ def generate_samples_with_rating(
     final, strategy_metrics = strategy.finalize(kept, rollout_size)
     metrics.update(strategy_metrics)
     metrics.update(_rollout_metrics(final, rollout_size, num_chunks, generated, dropped))
+    if multi_turn:
+        metrics.update(multi_turn_metrics([r.sample for g in final for r in g]))
     gen_s = sum(e - s for kind, _, s, e in timeline if kind == "generate")
     score_s = sum(e - s for kind, _, s, e in timeline if kind == "score")
     total_s = time.time() - start

@@ -138,21 +138,27 @@ class ReplicaEngine:
         sampling: SamplingConfig,
         seeds: list[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        tasks: list | None = None,
     ) -> list[Sample]:
         """`should_stop` (engines with `aborts_generation` only): an engine that aborts
         still takes part in the gather, so every rank of the replica raises `StepAborted`
-        together, once the replica's other engines have finished their shares."""
-        stop = {} if should_stop is None else {"should_stop": should_stop}
+        together, once the replica's other engines have finished their shares. `tasks`
+        (multi-turn engines, `rollout/agent.py`): one per prompt, shared like the prompts."""
+        extra = {} if should_stop is None else {"should_stop": should_stop}
         if self.num_engines == 1:
-            return self.engine.generate(prompts, sampling, seeds, **stop)
+            if tasks is not None:
+                extra["tasks"] = tasks
+            return self.engine.generate(prompts, sampling, seeds, **extra)
 
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         lo, hi = self.share(len(prompts))
+        if tasks is not None:
+            extra["tasks"] = tasks[lo:hi]
         aborted = False
         try:
             mine = self.engine.generate(
-                prompts[lo:hi], sampling, None if seeds is None else seeds[lo:hi], **stop
+                prompts[lo:hi], sampling, None if seeds is None else seeds[lo:hi], **extra
             )
         except StepAborted:
             mine, aborted = [], True

@@ -26,6 +26,7 @@ from megatron_rl.envs.base import ToolCall
 from megatron_rl.envs.code_interpreter import NAME as CODE_INTERPRETER
 
 TruncateSide = Literal["left", "middle", "right"]
+TRUNCATE_SIDES = ("left", "middle", "right")
 
 
 @dataclass(frozen=True)

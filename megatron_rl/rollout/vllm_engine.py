@@ -111,10 +111,21 @@ class Sample:
     step_rewards: list[tuple[int, float]] = field(default_factory=list)
     """Multi-turn rollouts: (index in `token_ids` of the policy token that caused the
     environment's step, that step's reward), for environments that reward steps."""
+    tool_status: list[str] = field(default_factory=list)
+    """Multi-turn rollouts: how each tool call went ("ok", "error", "timeout", ...: the
+    environment's `info["status"]`), in order."""
 
     @property
     def response_length(self) -> int:
         return len(self.token_ids)
+
+    def policy_token_runs(self) -> list[list[int]]:
+        """The ids of each policy turn, in order: `token_ids` without environment blocks."""
+        runs, start = [], 0
+        for a, b in self.env_spans:
+            runs.append(self.token_ids[start:a])
+            start = b
+        return [*runs, self.token_ids[start:]]
 
     @property
     def num_turns(self) -> int:

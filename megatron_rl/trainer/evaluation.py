@@ -17,8 +17,9 @@ from dataclasses import replace
 
 import torch
 
+from megatron_rl.envs.base import Task
 from megatron_rl.parallel.collectives import data_parallel_sum
-from megatron_rl.rollout.rating import request_seed, reward_inputs
+from megatron_rl.rollout.rating import request_seed, response_texts, reward_inputs
 from megatron_rl.rollout.vllm_engine import SamplingConfig
 
 EVAL_STAGE = 3
@@ -162,17 +163,19 @@ class Evaluator:
             self.engine.reset_prefix_cache()
         samples = []
         for start in range(0, len(mine), chunk):
+            batch = mine[start : start + chunk]
+            # multi-turn engines evaluate with their tools (`rollout/agent.py`)
+            tasks = [Task(p.prompt, p.label) for p in batch]
             part = self.engine.generate(
-                [p.prompt_token_ids for p in mine[start : start + chunk]],
+                [p.prompt_token_ids for p in batch],
                 sampling,
                 seeds[start : start + chunk] if seeded else None,  # greedy needs none
+                **({"tasks": tasks} if getattr(self.engine, "multi_turn", False) else {}),
             )
             samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
         if seeded:
             self.engine.reset_prefix_cache()
-        texts = self.tokenizer.batch_decode(
-            [s.token_ids for s in samples], skip_special_tokens=True
-        )
+        texts = response_texts(self.tokenizer, samples)
         scored = self.pool.result(self.pool.submit(reward_inputs(mine, samples, texts))).scored
         rewards = torch.tensor(scored.rewards, device="cpu")
         lengths = torch.tensor([float(s.response_length) for s in samples], device="cpu")

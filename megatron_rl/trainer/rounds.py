@@ -13,9 +13,12 @@ import torch
 
 from megatron_rl.config import TrainConfig
 from megatron_rl.data import load_prompts
+from megatron_rl.envs.pool import EnvPool
 from megatron_rl.models.source import ModelSource
+from megatron_rl.rollout.agent import AgentEngine, AgentSpec, EnvSteps, SharedEnvSteps
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating, request_seed
+from megatron_rl.rollout.tool_formats import call_end_id, tool_format
 from megatron_rl.rollout.vllm_engine import (
     EngineConfig,
     SamplingConfig,
@@ -67,6 +70,39 @@ def build_engine(
             extra={"load_format": "dummy"} if source.is_megatron else {},
         ),
     )
+
+
+def agent_spec(config: TrainConfig, tokenizer) -> AgentSpec:
+    """The multi-turn loop's format and limits; refuses a format whose call does not end
+    at one token of the policy's tokenizer."""
+    m = config.rollout.multi_turn
+    fmt = tool_format(m.format)
+    return AgentSpec(
+        fmt, call_end_id(fmt, tokenizer), m.max_turns, m.max_response_length,
+        m.max_tool_response_length, m.tool_response_truncate_side,
+    )  # fmt: skip
+
+
+def build_env_pool(config: TrainConfig, rank: int, vllm_tensor_parallel_size: int):
+    """The environment's worker pool of a multi-turn run, on each engine's first rank only
+    (its other ranks get the answers from it: `SharedEnvSteps`); None elsewhere. Built
+    before any model, so an environment that cannot be built fails in seconds."""
+    if rank % vllm_tensor_parallel_size:
+        return None
+    return EnvPool(config.rollout.multi_turn.env)
+
+
+def agent_engine(engine, spec: AgentSpec, pool, tokenizer, rank: int, vllm_tp: int):
+    """This rank's engine running multi-turn rollouts; with vLLM TP > 1 the engine's first
+    rank runs `pool` and broadcasts the answers over the engine's gloo group."""
+    local = None if pool is None else EnvSteps(pool)
+    if vllm_tp == 1:
+        return AgentEngine(engine, spec, local, tokenizer)
+    # why: vLLM is optional and slow to import: only a vLLM engine of several ranks needs it
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().cpu_group
+    return AgentEngine(engine, spec, SharedEnvSteps(local, group, rank - rank % vllm_tp), tokenizer)
 
 
 def sampling_config(config: TrainConfig) -> SamplingConfig:

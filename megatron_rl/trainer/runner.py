@@ -74,7 +74,10 @@ from megatron_rl.trainer.metrics import LoggerConfig, MetricsLogger
 from megatron_rl.trainer.rounds import (
     STAGES,
     DataParallelShard,
+    agent_engine,
+    agent_spec,
     build_engine,
+    build_env_pool,
     build_evaluator,
     generate_round,
     sampling_config,
@@ -139,6 +142,13 @@ class RLTrainer:
         self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
         # Before the models: a reward that cannot be imported or built fails in seconds.
         self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
+        # Multi-turn rollouts (#47): the tool format checked against the tokenizer, and the
+        # environment's workers started, before the models too.
+        self.agent = agent_spec(c, self.tokenizer) if c.rollout.multi_turn.enable else None
+        self.env_pool = None
+        if self.agent is not None:  # colocated only (config/validate.py)
+            vllm_tp = rollout_layout(c, self.ctx.world_size).vllm_tensor_parallel_size
+            self.env_pool = build_env_pool(c, self.ctx.rank, vllm_tp)
         if t.overwrite and self.ctx.rank == 0:  # only once the run's inputs proved usable
             clear_previous_run(t.output_dir)
         torch.distributed.barrier()
@@ -211,6 +221,11 @@ class RLTrainer:
             engine = build_engine(
                 c, policy_source, engines.vllm_tensor_parallel_size, "WORLD_SIZE" in os.environ
             )
+            if self.agent is not None:
+                engine = agent_engine(
+                    engine, self.agent, self.env_pool, self.tokenizer, self.ctx.rank,
+                    engines.vllm_tensor_parallel_size,
+                )  # fmt: skip
             # One generation per model replica, split over its engines (`rollout/replica.py`).
             self.engine = ReplicaEngine.around(engine, engines, self.ctx.rank)
         if policy_source.is_megatron:
@@ -766,6 +781,8 @@ class RLTrainer:
         launcher ends them when this rank exits with the error."""
         self.logger.close()
         self.pool.close()
+        if self.env_pool is not None:
+            self.env_pool.close()
         if self.engine_ranks is not None:
             if not failed:
                 self.engine_ranks.shutdown()

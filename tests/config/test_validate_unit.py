@@ -281,3 +281,41 @@ def test_max_staleness_and_partial_rollouts_need_engines_apart_and_vllm(tiny_mod
     hf = config_for(tiny_model_dir, "async.partial_rollout=true", "rollout.name=hf", *apart)
     with pytest.raises(ConfigError, match="partial_rollout=true needs rollout.name=vllm, got 'hf'"):
         validate_config(hf, world_size=2)
+
+
+def test_multi_turn_rollouts_are_checked_against_what_they_are_built_for(
+    tiny_model_dir, family_dir
+):
+    on = ["rollout.multi_turn.enable=true", "rollout.multi_turn.max_response_length=96"]
+    validate_config(config_for(tiny_model_dir, *on), 2)
+    for extra, world, message in [
+        (["rollout.placement=disaggregated", "rollout.engine_ranks=1"], 3, "rollout.placement="),
+        (["rollout.multi_turn.max_response_length=8"], 2, r"max_new_tokens=\d+ \(one turn\)"),
+        (["rollout.max_model_len=100"], 2, r"max_response_length = \d+ is more than .*=100"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate_config(config_for(tiny_model_dir, *on, *extra), world)
+    moe = family_dir("qwen3-moe")
+    replay = ["parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2",
+              "actor.router_replay.mode=R3"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"multi_turn.enable=true does not work with actor"):
+        validate_config(config_for(moe, *on, *replay), 2)
+    # the longest sequence of the token budgets counts every turn
+    budget = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=200"]
+    with pytest.raises(ConfigError, match=r"\+ rollout.multi_turn.max_response_length = \d+"):
+        validate_config(config_for(tiny_model_dir, *on, *budget), 2)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.multi_turn.format=mistral", r"'mistral' \(Mistral's \[TOOL_CALLS\]"),
+        ("rollout.multi_turn.tool_response_truncate_side=both", "must be one of"),
+        ("rollout.multi_turn.max_turns=0", "max_turns must be >= 1"),
+        ("rollout.multi_turn.env.type=gym", "type must be one of"),
+        ("rollout.multi_turn.env.sandbox.memory_limit_mb=1", "memory_limit_mb"),
+    ],
+)
+def test_multi_turn_settings_are_refused_by_name(tiny_model_dir, override, message):
+    with pytest.raises(ConfigError, match=message):
+        config_for(tiny_model_dir, override)

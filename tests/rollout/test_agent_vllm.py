@@ -18,7 +18,7 @@ from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.envs.base import Task
 from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.pool import EnvPool
-from megatron_rl.rollout.agent import AgentSpec, run_turns
+from megatron_rl.rollout.agent import AgentSpec, EnvSteps, multi_turn_metrics, run_turns
 from megatron_rl.rollout.tool_formats import ToolFormat, truncate
 from megatron_rl.rollout.vllm_engine import SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
@@ -70,7 +70,7 @@ def pool():
 
 def rollout(engine, prompts, spec, pool, tokenizer):
     tasks = [Task(f"q{i}") for i in range(len(prompts))]
-    return run_turns(engine, prompts, tasks, SAMPLING, SEEDS, spec, pool, tokenizer)
+    return run_turns(engine, prompts, tasks, SAMPLING, SEEDS, spec, EnvSteps(pool), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def turns_of(sample):
 def test_the_trainers_ids_are_the_engines_and_the_answers_encoded_once(
     rolled, spec, tokenizer, prompts
 ):
-    samples, stats = rolled
+    samples = rolled
     assert [(s.prompt_index, s.sample_index) for s in samples] == [
         (i, j) for i in range(3) for j in range(3)
     ]
@@ -116,13 +116,17 @@ def test_the_trainers_ids_are_the_engines_and_the_answers_encoded_once(
     # the point of token in / token out: text would not have given these ids back
     assert re_encoded_differs, "every sample re-encodes to its own ids: the test proves nothing"
     assert calls > 0, "no turn ended at the call token: the stop id is untested"
-    assert stats.metrics()["rollout/multi_turn/turns/mean"] > 1
+    metrics = multi_turn_metrics(samples)
+    assert metrics["rollout/multi_turn/turns/mean"] > 1
+    assert metrics["rollout/multi_turn/env_tokens/mean"] == pytest.approx(
+        sum(b - a for s in samples for a, b in s.env_spans) / len(samples)
+    )
 
 
 def test_every_turns_engine_logprobs_are_those_of_the_trainers_context(rolled, tiny_model_dir):
     """The per-turn log-prob gap (fp32): each policy token was sampled given exactly the
     ids the trainer will feed, answers included; turns after the first as close as turn 0."""
-    samples, _ = rolled
+    samples = rolled
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     turns_checked = set()
     for s in samples:
@@ -139,7 +143,7 @@ def test_every_turns_engine_logprobs_are_those_of_the_trainers_context(rolled, t
 
 
 def test_limits_and_finish_reasons(rolled, spec):
-    samples, stats = rolled
+    samples = rolled
     for s in samples:
         assert len(s.token_ids) <= spec.max_response_length
         assert len(turns_of(s)) <= spec.max_turns
@@ -150,13 +154,14 @@ def test_limits_and_finish_reasons(rolled, spec):
             assert s.finish_reason in ("stop", "length")
         else:  # an answer that did not fit
             assert s.finish_reason == "budget"
-    assert sum(stats.finish.values()) == len(samples)
+    finish = {k: v for k, v in multi_turn_metrics(samples).items() if "/finish/" in k}
+    assert sum(finish.values()) == pytest.approx(1.0)
 
 
 def test_a_rerun_with_the_same_seeds_draws_the_same_trajectories(
     rolled, vllm_engine, prompts, spec, pool, tokenizer
 ):
-    again, _ = rollout(vllm_engine, prompts, spec, pool, tokenizer)
+    again = rollout(vllm_engine, prompts, spec, pool, tokenizer)
     assert [(s.token_ids, s.env_spans, s.finish_reason) for s in again] == [
-        (s.token_ids, s.env_spans, s.finish_reason) for s in rolled[0]
+        (s.token_ids, s.env_spans, s.finish_reason) for s in rolled
     ]

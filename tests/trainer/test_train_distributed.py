@@ -524,3 +524,41 @@ def test_a_mixture_of_experts_trains_with_its_experts_split_over_two_ranks(
     fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
     assert saved[fc1].shape == (2, 8, 2 * 64, 128)
     assert saved[f"chained_1.optimizer.state.exp_avg.{fc1}"].abs().sum() > 0
+
+
+# Every turn answered (`Counter` steps on turns that end without a call too): the random
+# model rarely writes `</tool_call>`, and what is tested here is the trainer on trajectories
+# with environment tokens. The code tool itself: tests/envs, tests/rollout/test_agent_vllm.py.
+MULTI_TURN = (
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.format=code",
+    "rollout.multi_turn.max_turns=3",
+    "rollout.multi_turn.max_response_length=64",
+    "rollout.multi_turn.max_tool_response_length=12",
+    "rollout.multi_turn.env={type: python, path: tests.envs.scripted_envs:Counter, "
+    "kwargs: {turns: 2, reward: 0.25}, num_workers: 2}",
+)
+
+
+@pytest.mark.parametrize("recipe", ["grpo", pytest.param("ppo", marks=pytest.mark.e2e)])
+def test_multi_turn_rollouts_train_with_environment_tokens_out_of_the_loss(
+    recipe, tiny_tools_model_dir, tmp_path
+):
+    """Two steps on trajectories of up to three turns (vLLM TP 2: the engine's first rank
+    runs the environment and broadcasts its answers): the turns, the answers' tokens and the
+    engine-trainer gap of every turn are logged; the later turns' gap is as small as the
+    first's (fp32: each policy token was sampled from the context the trainer reads)."""
+    out = tmp_path / recipe
+    train(
+        recipe, out, f"model.path={tiny_tools_model_dir}", VARIED_REWARD,
+        "trainer.total_steps=2", "trainer.save_interval=1", *MULTI_TURN,
+    )  # fmt: skip
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2] and all(finite(r) for r in records), records
+    for r in records:
+        assert r["rollout/multi_turn/turns/mean"] > 1.5
+        assert r["rollout/multi_turn/env_tokens/mean"] > 0
+        for k in (0, 1):
+            assert r[f"rollout/logprob_gap/turn_{k}/max"] < 1e-4, r
+    first, last = checkpoint(out, 1), checkpoint(out, 2)
+    assert not same_weights(first["actor"], last["actor"])
