@@ -199,3 +199,24 @@ def test_the_code_interpreter_answers_calls_through_the_pool():
         assert not any(r.done for k, r in out.items() if k != "answer")
     finally:
         pool.close()
+
+
+def test_a_stop_request_while_tools_run_kills_them_and_aborts_the_rollout():
+    from megatron_rl.preemption import StepAborted
+    from megatron_rl.rollout.agent import EnvSteps
+
+    pool = pool_of("Sleeper", num_workers=2)
+    try:
+        asks, busy = iter([False, False]), []
+
+        def should_stop() -> bool:  # the third ask: a stop request arrives mid-tool
+            busy[:] = [w.proc.pid for w in pool.workers if w.job is not None]
+            return next(asks, True)
+
+        requests = {k: ("step", None, act("3600")) for k in ("a", "b", "c")}
+        with pytest.raises(StepAborted, match="rollout/tools"):
+            EnvSteps(pool).run(requests, should_stop)
+        assert len(busy) == 2 and not any(alive(pid) for pid in busy)
+        assert pool.pending == 0 and all(alive(w.proc.pid) for w in pool.workers)
+    finally:
+        pool.close()
