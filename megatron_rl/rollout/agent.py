@@ -183,6 +183,7 @@ def _generate_turn(engine, active, sampling, spec, should_stop) -> None:
     """One policy turn of every active trajectory: turn 0 as one ordinary `generate` call
     (the prompt's `n` samples, its seed), later turns one request per trajectory, grouped by
     how many tokens each may still draw."""
+    stop = {} if should_stop is None else {"should_stop": should_stop}  # aborting engines
     first = [t for t in active if t.turns == 0]
     later = [t for t in active if t.turns > 0]
     if first:
@@ -192,7 +193,7 @@ def _generate_turn(engine, active, sampling, spec, should_stop) -> None:
         ]  # fmt: skip
         turn = replace(sampling, max_new_tokens=min(sampling.max_new_tokens,
                                                     spec.max_response_length))  # fmt: skip
-        out = engine.generate([p for _, p in prompts], turn, seeds, should_stop)
+        out = engine.generate([p for _, p in prompts], turn, seeds, **stop)
         by_key = {(prompts[s.prompt_index][0], s.sample_index): s for s in out}
         for t in first:
             _take(t, by_key[t.key], spec)
@@ -205,7 +206,7 @@ def _generate_turn(engine, active, sampling, spec, should_stop) -> None:
         seeds = None if group[0].seed is None else [
             continuation_seed(t.seed, t.sample_index, len(t.tokens)) for t in group
         ]  # fmt: skip
-        out = engine.generate([t.prompt + t.tokens for t in group], turn, seeds, should_stop)
+        out = engine.generate([t.prompt + t.tokens for t in group], turn, seeds, **stop)
         for t, s in zip(group, out, strict=True):
             _take(t, s, spec)
 

@@ -258,3 +258,46 @@ def test_rollout_name_is_validated_and_hf_gives_each_rank_an_engine(tiny_model_d
         ConfigError, match="rollout.vllm_tensor_parallel_size=2 with rollout.name=hf"
     ):
         validate_config(config("rollout.name=hf", "rollout.vllm_tensor_parallel_size=2"), 2)
+
+
+def test_multi_turn_rollouts_run_on_the_hf_engine_token_in_token_out(
+    tiny_tools_model_dir,
+):
+    """`rollout.name=hf` with `rollout.multi_turn` (`rollout/agent.py`'s loop on this engine):
+    the ids are the engine's turns and the answers encoded once, each turn's log-probs those
+    of the context the trainer reads, on the tiny model with the tool-call tokens."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.envs.base import Task
+    from megatron_rl.envs.config import EnvConfig
+    from megatron_rl.envs.pool import EnvPool
+    from megatron_rl.rollout.agent import AgentSpec, EnvSteps, run_turns
+    from megatron_rl.rollout.tool_formats import call_end_id, tool_format, truncate
+    from tests.tolerances import LOGPROB, assert_close
+
+    tools = HFEngine(tiny_tools_model_dir, EngineConfig(seed=0, max_model_len=256))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tools_model_dir)
+    fmt = tool_format("code")
+    spec = AgentSpec(fmt, call_end_id(fmt, tokenizer), max_turns=2, max_response_length=48,
+                     max_tool_response_length=8)  # fmt: skip
+    pool = EnvPool(EnvConfig(type="python", path="tests.envs.scripted_envs:Counter",
+                             kwargs={"turns": 2}, num_workers=1))  # fmt: skip
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True
+    )["input_ids"]
+    sampling = SamplingConfig(n=2, max_new_tokens=8)
+    try:
+        samples = run_turns(tools, [prompt], [Task("q")], sampling, [5], spec, EnvSteps(pool),
+                            tokenizer)  # fmt: skip
+    finally:
+        pool.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_tools_model_dir, dtype=torch.float32)
+    for s in samples:
+        assert len(s.env_spans) == 1 and s.num_turns == 2  # Counter answers the first turn
+        a, b = s.env_spans[0]
+        quoted = "step 1: " + tokenizer.decode(s.token_ids[:a])
+        block = fmt.answer(truncate(quoted, 8, "middle"))
+        assert s.token_ids[a:b] == tokenizer.encode(block, add_special_tokens=False)
+        expected = full_forward_logprobs(model.eval(), s, sampling)
+        policy = [i for i in range(len(s.token_ids)) if not a <= i < b]
+        assert_close(torch.tensor(s.logprobs)[policy], expected[policy], LOGPROB)
