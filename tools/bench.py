@@ -38,6 +38,10 @@ BENCHMARKS = {
         "tools.bench_async",
         "time per PPO step: engines colocated vs on ranks of their own, synchronous and one-step-off",
     ),
+    "tools": (
+        "tools.bench_tools",
+        "multi-turn rollouts with a slow tool: in flight vs turn by turn (speed-up)",
+    ),
     "step_breakdown": (
         "tools.bench_step_breakdown",
         "tiny demo RL step: shares of generate / score / experience / train / sync",

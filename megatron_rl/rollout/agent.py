@@ -32,7 +32,12 @@ from dataclasses import dataclass, field, replace
 from megatron_rl.envs.base import Action, StepResult, Task
 from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.tool_formats import ToolFormat, TruncateSide, truncate
-from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig, continuation_seed
+from megatron_rl.rollout.vllm_engine import (
+    ABORT_CHECK_STEPS,
+    Sample,
+    SamplingConfig,
+    continuation_seed,
+)
 
 POLL_S = 0.1
 """Longest wait on the pool between two asks of the stop request."""
@@ -161,6 +166,77 @@ def run_turns(
     return [t.sample() for t in trajectories]
 
 
+def run_in_flight(
+    engine,
+    prompts: list[list[int]],
+    tasks: list[Task],
+    sampling: SamplingConfig,
+    seeds: list[int] | None,
+    spec: AgentSpec,
+    steps: EnvSteps | SharedEnvSteps,
+    tokenizer,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[Sample]:
+    """`run_turns`' samples, with every trajectory in flight at once: the engine keeps
+    generating the others while a tool runs (verl's AgentLoop, AReaL). Needs a streaming
+    engine (`VLLMEngine.stream_*`).
+
+    Dataflow of one iteration: the answers ready now are applied and their trajectories'
+    next turns submitted (seeded as in `run_turns`, so the same seeds draw the same tokens
+    whatever the timing); one engine step; each turn that finished goes to the pool or ends
+    its trajectory. With no request running, the iteration waits on the pool (<= POLL_S).
+    The stop request is asked every ABORT_CHECK_STEPS iterations, agreed over the engine's
+    ranks: yes aborts the requests, cancels the tools, raises `StepAborted`."""
+    trajectories = [
+        Trajectory(i, j, list(p), tasks[i], None if seeds is None else seeds[i])
+        for i, p in enumerate(prompts)
+        for j in range(sampling.n)
+    ]
+    by_key = {t.key: t for t in trajectories}
+    _reset(trajectories, steps, tokenizer, spec, should_stop)
+    sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, spec.call_end_id))
+    first = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, spec.max_response_length))
+    for i in range(len(prompts)):
+        t = by_key[(i, 0)]
+        engine.stream_submit(("first", i), t.prompt, first, t.seed)
+    turn: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+    iteration = 0
+    while engine.stream_pending() or steps.outstanding:
+        if iteration % ABORT_CHECK_STEPS == 0 and should_stop is not None:
+            if engine.any_engine_rank(should_stop()):
+                engine.stream_abort()
+                steps.cancel()
+                raise StepAborted("rollout/generate")
+        iteration += 1
+        for key, outcome in steps.ready(0.0 if engine.stream_pending() else POLL_S):
+            t = by_key[key]
+            _apply(t, outcome, tokenizer, spec)
+            if t.finish_reason is None:
+                _submit_next(engine, t, sampling, spec)
+        if not engine.stream_pending():
+            continue
+        for key, j, tokens, logprobs, finish in engine.stream_step():
+            t = by_key[(key[1], j) if key[0] == "first" else key]
+            got = turn.setdefault(t.key, ([], []))
+            got[0].extend(tokens)
+            got[1].extend(logprobs)
+            if finish is None:
+                continue
+            ids, lps = turn.pop(t.key)
+            _take(t, Sample(t.prompt_index, t.sample_index, t.prompt, ids, lps, finish), spec)
+            if _wants_step(t, spec):
+                steps.submit(t.key, _action(t, spec, tokenizer))
+    return [t.sample() for t in trajectories]
+
+
+def _submit_next(engine, t: Trajectory, sampling: SamplingConfig, spec: AgentSpec) -> None:
+    left = min(sampling.max_new_tokens, spec.max_response_length - len(t.tokens))
+    seed = continuation_seed(t.seed, t.sample_index, len(t.tokens))
+    engine.stream_submit(
+        t.key, t.prompt + t.tokens, replace(sampling, n=1, max_new_tokens=left), seed
+    )
+
+
 def _reset(trajectories, steps, tokenizer, spec, should_stop) -> None:
     """Each prompt's first state, shared by its samples (one task, one reset); a first
     observation joins the prompt (context, never trained on, as the prompt is)."""
@@ -234,61 +310,100 @@ def _wants_step(t: Trajectory, spec: AgentSpec) -> bool:
     return True
 
 
+def _action(t: Trajectory, spec: AgentSpec, tokenizer) -> tuple:
+    """The environment's request for the turn `t` just ended: its text decoded (to read),
+    the call parsed when it ended in one."""
+    start = t.env_spans[-1][1] if t.env_spans else 0
+    text = tokenizer.decode(t.tokens[start:], skip_special_tokens=False)
+    call, error = spec.format.parse(text) if t.last_ended_by == "call" else (None, None)
+    return ("step", t.state, Action(text, t.last_ended_by, call, error))
+
+
 def _steps(stepping, steps, tokenizer, spec, should_stop) -> dict:
-    requests = {}
-    for t in stepping:
-        start = t.env_spans[-1][1] if t.env_spans else 0
-        text = tokenizer.decode(t.tokens[start:], skip_special_tokens=False)
-        call, error = (None, None)
-        if t.last_ended_by == "call":
-            call, error = spec.format.parse(text)
-        requests[t.key] = ("step", t.state, Action(text, t.last_ended_by, call, error))
-    return steps.run(requests, should_stop)
+    return steps.run({t.key: _action(t, spec, tokenizer) for t in stepping}, should_stop)
 
 
 class EnvSteps:
-    """Runs environment requests on a pool and waits for every outcome, asking the stop
-    request between polls (yes: the pool's steps cancelled, `StepAborted("rollout/tools")`)."""
+    """Environment requests on a pool: `submit` and `ready` for loops that go on while tools
+    run, `run` to wait for a batch of them (asking the stop request between polls: yes
+    cancels the pool's steps, `StepAborted("rollout/tools")`)."""
 
     def __init__(self, pool):
         self.pool = pool
+        self.outstanding: set = set()
+
+    def submit(self, key, request: tuple) -> None:
+        self.outstanding.add(key)
+        self.pool.submit(key, request)
+
+    def ready(self, timeout_s: float) -> list[tuple]:
+        """(key, outcome) of the requests finished within `timeout_s`."""
+        done = self.pool.poll(timeout_s)
+        self.outstanding.difference_update(key for key, _ in done)
+        return done
+
+    def cancel(self) -> None:
+        self.pool.cancel_all()
+        self.outstanding.clear()
 
     def run(self, requests: dict, should_stop: Callable[[], bool] | None) -> dict:
         for key, request in requests.items():
-            self.pool.submit(key, request)
+            self.submit(key, request)
         outcomes: dict = {}
         while len(outcomes) < len(requests):
             if should_stop is not None and should_stop():
-                self.pool.cancel_all()
+                self.cancel()
                 raise StepAborted("rollout/tools")
-            outcomes.update(self.pool.poll(POLL_S))
+            outcomes.update(self.ready(POLL_S))
         return outcomes
 
 
 class SharedEnvSteps:
     """`EnvSteps` for an engine of several ranks (vLLM TP > 1): its ranks step in lockstep
     and must append the same answers, so only the engine's first rank (`src`, global rank)
-    runs the pool and broadcasts the outcomes over the engine's gloo `group`. A stop is
-    that rank's to see while tools run (a job's stop signal reaches every rank) and goes
-    to the others in the same broadcast; the engine agrees on stops while it generates."""
+    runs the pool and broadcasts the outcomes over the engine's gloo `group`; the other
+    ranks submit nothing and count what is outstanding alike. In `run`, a stop is that
+    rank's to see while tools run (a job's stop signal reaches every rank) and goes to the
+    others in the same broadcast; the engine agrees on stops while it generates."""
 
     def __init__(self, local: EnvSteps | None, group, src: int):
         self.local, self.group, self.src = local, group, src
+        self.outstanding: set = set()
 
-    def run(self, requests: dict, should_stop: Callable[[], bool] | None) -> dict:
+    def _broadcast(self, value):
         # why: torch.distributed only where an engine spans ranks
         import torch.distributed as dist
 
-        box: list = [None]
+        box = [value]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def submit(self, key, request: tuple) -> None:
+        self.outstanding.add(key)
+        if self.local is not None:
+            self.local.submit(key, request)
+
+    def ready(self, timeout_s: float) -> list[tuple]:
+        done = self._broadcast(None if self.local is None else self.local.ready(timeout_s))
+        self.outstanding.difference_update(key for key, _ in done)
+        return done
+
+    def cancel(self) -> None:
+        if self.local is not None:
+            self.local.cancel()
+        self.outstanding.clear()
+
+    def run(self, requests: dict, should_stop: Callable[[], bool] | None) -> dict:
+        result = None
         if self.local is not None:
             try:
-                box[0] = self.local.run(requests, should_stop)
+                result = self.local.run(requests, should_stop)
             except StepAborted as e:
-                box[0] = e
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        if isinstance(box[0], StepAborted):
-            raise box[0]
-        return box[0]
+                result = e
+        result = self._broadcast(result)
+        if isinstance(result, StepAborted):
+            raise result
+        return result
 
 
 def _answer_text(observation: str, spec: AgentSpec) -> str:
@@ -326,8 +441,8 @@ def _apply(t: Trajectory, result: StepResult, tokenizer, spec: AgentSpec) -> Non
 
 
 class AgentEngine:
-    """A rollout engine whose `generate` runs multi-turn rollouts (`run_turns`) on the engine
-    it wraps; every other attribute (sleep, wake_up, update_weights, ...) is that engine's.
+    """A rollout engine whose `generate` runs multi-turn rollouts (`run_in_flight` on a
+    streaming engine, vLLM; `run_turns` on others) on the engine it wraps; every other attribute (sleep, wake_up, update_weights, ...) is that engine's.
     `generate(..., tasks=)` takes each prompt's `Task` (what the environment's reset reads);
     without them (an evaluation) the tasks are empty."""
 
@@ -350,7 +465,9 @@ class AgentEngine:
         tasks = tasks if tasks is not None else [Task(None)] * len(prompts)
         if len(tasks) != len(prompts):
             raise ValueError(f"{len(tasks)} tasks for {len(prompts)} prompts")
-        return run_turns(
+        # in flight where the engine streams (vLLM); else turn by turn (`hf`): same samples
+        loop = run_in_flight if hasattr(self.engine, "stream_submit") else run_turns
+        return loop(
             self.engine, prompts, tasks, sampling, seeds, self.spec, self.steps, self.tokenizer,
             should_stop,
         )  # fmt: skip

@@ -306,6 +306,8 @@ class VLLMEngine:
         self._requests: dict[str, tuple[_Round, int, int | None]] = {}
         """Resumable requests in vLLM: id -> (round, prompt index, sample index or None for
         the request's n samples)."""
+        self._streams: dict[str, object] = {}
+        """Streamed requests in vLLM (`stream_submit`): id -> the caller's key."""
         self._ahead: _Round | None = None
         """The round admitted while the previous one generated (`next_round`): its requests
         run on in vLLM after that call returns, until the next call adopts them or any other
@@ -648,6 +650,48 @@ class VLLMEngine:
             steps += 1
         return current.states
 
+    # ------------------------------------------------------------------ streaming requests
+    # For loops that decide per request as outputs arrive (multi-turn rollouts in flight,
+    # `rollout/agent.py`): requests added one by one, the engine stepped by the caller.
+
+    def stream_submit(
+        self, key, prompt: list[int], sampling: SamplingConfig, seed: int | None
+    ) -> None:
+        """Add one request (`sampling.n` samples of `prompt`, seeded) whose tokens
+        `stream_step` returns as they are sampled, under `key`."""
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
+        from vllm.sampling_params import RequestOutputKind
+
+        self._require_awake(*ENGINE_MEMORY, use="generate")
+        self._park()
+        params = sampling.to_vllm()
+        params.seed, params.output_kind = seed, RequestOutputKind.DELTA
+        rid = str(next(self.llm.request_counter))
+        self._streams[rid] = key
+        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+
+    def stream_step(self) -> list[tuple]:
+        """One engine step: (key, sample index, new token ids, their log-probs, finish
+        reason or None) of every request that sampled."""
+        out = []
+        for request in self.llm.llm_engine.step():
+            key = self._streams[request.request_id]
+            if request.finished:
+                del self._streams[request.request_id]
+            for c in request.outputs:
+                logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+                out.append((key, c.index, list(c.token_ids), logprobs, c.finish_reason))
+        return out
+
+    def stream_pending(self) -> bool:
+        """Whether a streamed request is still unfinished."""
+        return bool(self._streams)
+
+    def stream_abort(self) -> None:
+        """Abort every streamed request (a stop), leaving the engine empty."""
+        self._abort_all()
+        self._streams.clear()
+
     def _abort_all(self) -> None:
         engine = self.llm.llm_engine
         states = engine.output_processor
@@ -655,6 +699,10 @@ class VLLMEngine:
         engine.abort_request([*states.request_states, *states.parent_requests], internal=True)
         if engine.has_unfinished_requests():
             raise RuntimeError("vLLM kept requests after aborting them all")
+
+    def any_engine_rank(self, flag: bool) -> bool:
+        """`flag` agreed over this engine's ranks (their OR), for loops that step it."""
+        return self._any_engine_rank(flag)
 
     @staticmethod
     def _any_engine_rank(flag: bool) -> bool:

@@ -53,3 +53,15 @@ class Faulty:
 class Unbuildable:
     def __init__(self):
         raise RuntimeError("no such maze")
+
+
+class SlowCounter(Counter):
+    """`Counter` that takes `seconds` to answer each step (a slow tool)."""
+
+    def __init__(self, turns: int = 3, reward: float = 0.5, seconds: float = 0.3):
+        super().__init__(turns, reward)
+        self.seconds = seconds
+
+    def step(self, state, action):
+        time.sleep(self.seconds)
+        return super().step(state, action)

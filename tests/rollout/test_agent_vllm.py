@@ -18,7 +18,13 @@ from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.envs.base import Task
 from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.pool import EnvPool
-from megatron_rl.rollout.agent import AgentSpec, EnvSteps, multi_turn_metrics, run_turns
+from megatron_rl.rollout.agent import (
+    AgentSpec,
+    EnvSteps,
+    multi_turn_metrics,
+    run_in_flight,
+    run_turns,
+)
 from megatron_rl.rollout.tool_formats import ToolFormat, truncate
 from megatron_rl.rollout.vllm_engine import SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
@@ -165,3 +171,39 @@ def test_a_rerun_with_the_same_seeds_draws_the_same_trajectories(
     assert [(s.token_ids, s.env_spans, s.finish_reason) for s in again] == [
         (s.token_ids, s.env_spans, s.finish_reason) for s in rolled
     ]
+
+
+class CountingEngine:
+    """The engine, counting the steps it takes while a tool is running."""
+
+    def __init__(self, engine, steps):
+        self.engine, self.steps, self.busy_steps = engine, steps, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream_step(self):
+        self.busy_steps += bool(self.steps.outstanding)
+        return self.engine.stream_step()
+
+
+def test_the_in_flight_loop_draws_the_turn_synchronous_trajectories_and_steps_while_tools_run(
+    rolled, vllm_engine, prompts, spec, tokenizer
+):
+    """Same seeds, same trajectories (each continuation seeded by where it resumes, not by
+    when); and the engine kept generating while a slow tool (0.3 s a step) answered."""
+    config = EnvConfig(type="python", path="tests.envs.scripted_envs:SlowCounter",
+                       kwargs={"turns": 3, "reward": 0.5, "seconds": 0.3}, num_workers=2)  # fmt: skip
+    pool = EnvPool(config)
+    try:
+        steps = EnvSteps(pool)
+        engine = CountingEngine(vllm_engine, steps)
+        tasks = [Task(f"q{i}") for i in range(len(prompts))]
+        flight = run_in_flight(engine, prompts, tasks, SAMPLING, SEEDS, spec, steps, tokenizer)
+    finally:
+        pool.close()
+    assert [(s.token_ids, s.env_spans, s.step_rewards, s.finish_reason) for s in flight] == [
+        (s.token_ids, s.env_spans, s.step_rewards, s.finish_reason) for s in rolled
+    ]
+    assert engine.busy_steps > 0, "the engine never generated while a tool ran"
+    assert not vllm_engine.stream_pending()
