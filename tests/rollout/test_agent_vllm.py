@@ -18,6 +18,7 @@ from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.envs.base import Task
 from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.pool import EnvPool
+from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.agent import (
     AgentSpec,
     EnvSteps,
@@ -207,3 +208,32 @@ def test_the_in_flight_loop_draws_the_turn_synchronous_trajectories_and_steps_wh
     ]
     assert engine.busy_steps > 0, "the engine never generated while a tool ran"
     assert not vllm_engine.stream_pending()
+
+
+def test_a_stop_request_in_flight_aborts_the_requests_and_the_tools(
+    vllm_engine, prompts, spec, tokenizer
+):
+    config = EnvConfig(type="python", path="tests.envs.scripted_envs:SlowCounter",
+                       kwargs={"turns": 3, "seconds": 30.0}, num_workers=2)  # fmt: skip
+    pool = EnvPool(config)
+    try:
+        steps = EnvSteps(pool)
+        seen = []
+
+        def should_stop() -> bool:  # once a tool runs (a step, not a reset): a stop request
+            seen.append(len(steps.outstanding))
+            return any(isinstance(key, tuple) for key in steps.outstanding)
+
+        tasks = [Task(f"q{i}") for i in range(len(prompts))]
+        with pytest.raises(StepAborted, match="rollout/generate"):
+            run_in_flight(vllm_engine, prompts, tasks, SAMPLING, SEEDS, spec, steps, tokenizer,
+                          should_stop)  # fmt: skip
+        assert seen[-1] > 0 and not steps.outstanding and pool.pending == 0
+        assert (
+            not vllm_engine.stream_pending()
+            and not vllm_engine.llm.llm_engine.has_unfinished_requests()
+        )
+    finally:
+        pool.close()
+    # the engine serves the next rollout as if nothing happened
+    assert len(vllm_engine.generate(prompts[:1], SamplingConfig(n=1, max_new_tokens=4))) == 1
