@@ -33,6 +33,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML that lists `tools` in a system block first, as Qwen2.5's template does.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags.<|im_end|>\n' }}{% endif %}" + CHAT_TEMPLATE
+)
 # Llama-3's header/eot format: a reward model of another family than the actor.
 LLAMA3_CHAT_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}"
@@ -65,7 +72,7 @@ TEMPLATES = {
         ],
         "<|im_end|>",
         "<|endoftext|>",
-        CHAT_TEMPLATE,
+        TOOLS_CHAT_TEMPLATE,
     ),
     "llama3": (
         [

@@ -177,8 +177,11 @@ def read_labels(config: PromptDataConfig, ds) -> list:
     return [row.get(config.label_key) for row in rows]
 
 
-def load_prompts(config: PromptDataConfig, tokenizer) -> PromptDataset:
-    """Load, template, tokenise and length-filter every prompt of `config.path`."""
+def load_prompts(
+    config: PromptDataConfig, tokenizer, tools: list[dict] | None = None
+) -> PromptDataset:
+    """Load, template, tokenise and length-filter every prompt of `config.path`; `tools`
+    (function schemas) go to the chat template (`render_prompt`)."""
     ds = load_table(config)
     source = config.path
     if len(ds) == 0:
@@ -199,7 +202,7 @@ def load_prompts(config: PromptDataConfig, tokenizer) -> PromptDataset:
         where = f"prompt data {source} row {row}"
         if prompt is None or prompt == "" or prompt == []:
             raise ValueError(f"{where}: field {config.prompt_key!r} is missing or empty")
-        texts.append(render_prompt(tokenizer, prompt, config.apply_chat_template, where))
+        texts.append(render_prompt(tokenizer, prompt, config.apply_chat_template, where, tools))
     # The template already wrote the special tokens; raw prompts get the tokenizer's own (BOS).
     ids = tokenizer(texts, add_special_tokens=not config.apply_chat_template)["input_ids"]
     records, dropped = [], 0

@@ -55,18 +55,31 @@ def _render(tokenizer: Any, messages: Messages, where: str, **kwargs) -> str:
 
 
 def render_prompt(
-    tokenizer: Any, prompt: str | Messages, apply_chat_template: bool = True, where: str = "prompt"
+    tokenizer: Any,
+    prompt: str | Messages,
+    apply_chat_template: bool = True,
+    where: str = "prompt",
+    tools: list[dict] | None = None,
 ) -> str:
     """The text the policy is asked to continue: the template with the generation prompt
-    (e.g. ChatML's `<|im_start|>assistant\\n`), or the raw string when templates are off."""
+    (e.g. ChatML's `<|im_start|>assistant\\n`), or the raw string when templates are off.
+    `tools` (OpenAI function schemas; multi-turn rollouts) go to the template, which writes
+    them where its family expects them (Qwen2.5 / Qwen3: a system block listing them)."""
     if not apply_chat_template:
+        if tools:
+            raise TemplateError(
+                f"{where}: tools are written by a chat template; apply_chat_template is false"
+            )
         if not isinstance(prompt, str):
             raise TemplateError(
                 f"{where}: apply_chat_template is false, so the prompt must be a string, "
                 f"got {type(prompt).__name__}"
             )
         return prompt
-    return _render(tokenizer, as_messages(prompt, where), where, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    return _render(
+        tokenizer, as_messages(prompt, where), where, add_generation_prompt=True, **extra
+    )
 
 
 def render_conversation(

@@ -44,6 +44,7 @@ from megatron_rl.trainer.rounds import (
     build_engine,
     build_evaluator,
     generate_round,
+    prompt_tools,
     round_seed,
 )
 
@@ -73,7 +74,9 @@ class EngineWorker:
                 self.replica_group, self.replica_leader = group, first
         source = ModelSource(c.model.path)
         self.tokenizer = AutoTokenizer.from_pretrained(source.hf_dir)
-        self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
+        self.prompts = PromptStream(
+            load_prompts(c.data, self.tokenizer, prompt_tools(c)), seed=t.seed
+        )
         # Before the engine: a reward that cannot be imported or built fails in seconds.
         inner = make_scoring_pool(c.rewards.reward_fns, c.rewards.pool) if self.leader else None
         self.pool = ReplicaScoring(inner, self.replica_group, self.replica_leader)

@@ -13,6 +13,7 @@ import torch
 
 from megatron_rl.config import TrainConfig
 from megatron_rl.data import load_prompts
+from megatron_rl.envs.code_interpreter import TOOL_SCHEMA
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.agent import AgentEngine, AgentSpec, EnvSteps, SharedEnvSteps
@@ -83,6 +84,16 @@ def agent_spec(config: TrainConfig, tokenizer) -> AgentSpec:
     )  # fmt: skip
 
 
+def prompt_tools(config: TrainConfig) -> list[dict] | None:
+    """The tool schemas the chat template writes into every prompt: the code interpreter's
+    with the `hermes` format (Qwen's templates list them in a system block); None otherwise
+    (`code` calls are inline; a `python` environment's prompts describe its tools)."""
+    m = config.rollout.multi_turn
+    if m.enable and m.format == "hermes" and m.env.type == "code_interpreter":
+        return [TOOL_SCHEMA]
+    return None
+
+
 def build_env_pool(config: TrainConfig, rank: int, vllm_tensor_parallel_size: int):
     """The environment's worker pool of a multi-turn run, on each engine's first rank only
     (its other ranks get the answers from it: `SharedEnvSteps`); None elsewhere. Built
@@ -123,7 +134,7 @@ def build_evaluator(
     None: one that only summarizes sums made elsewhere, on the engine ranks)."""
     c, r = config, config.rollout
     sets = [
-        (spec, load_prompts(replace(c.data, path=spec.path), tokenizer).records)
+        (spec, load_prompts(replace(c.data, path=spec.path), tokenizer, prompt_tools(c)).records)
         for spec in c.trainer.eval_sets
     ]
     return Evaluator(

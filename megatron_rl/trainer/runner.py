@@ -80,6 +80,7 @@ from megatron_rl.trainer.rounds import (
     build_env_pool,
     build_evaluator,
     generate_round,
+    prompt_tools,
     sampling_config,
 )
 from megatron_rl.trainer.updates import mean_metrics, nonfinite_streak, optimizer_steps
@@ -139,7 +140,9 @@ class RLTrainer:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(policy_source.hf_dir)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
-        self.prompts = PromptStream(load_prompts(c.data, self.tokenizer), seed=t.seed)
+        self.prompts = PromptStream(
+            load_prompts(c.data, self.tokenizer, prompt_tools(c)), seed=t.seed
+        )
         # Before the models: a reward that cannot be imported or built fails in seconds.
         self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
         # Multi-turn rollouts (#47): the tool format checked against the tokenizer, and the

@@ -213,3 +213,24 @@ def test_stream_returns_records_in_sampler_order(tmp_path, tokenizer):
     stream = PromptStream(ds, seed=0)
     order = PromptSampler(3, seed=0).take(3)
     assert [r.row for r in stream.take(3)] == order
+
+
+def test_tool_schemas_are_written_by_the_policys_template(tmp_path, tiny_tools_model_dir):
+    """Multi-turn rollouts with the `hermes` format: the code interpreter's schema reaches
+    every prompt through the template (`chatml_tools` lists tools as Qwen2.5's does); with
+    templates off there is nowhere to write them, which is refused."""
+    from megatron_rl.envs.code_interpreter import TOOL_SCHEMA
+
+    tok = AutoTokenizer.from_pretrained(tiny_tools_model_dir)
+    path = write_jsonl(tmp_path / "p.jsonl", ROWS)
+    ds = load_prompts(config(path), tok, tools=[TOOL_SCHEMA])
+    assert ds[0].prompt_text.startswith(
+        '<|im_start|>system\n# Tools\n\n<tools>\n{"type": "function", "function": '
+        '{"name": "code_interpreter"'
+    )
+    assert ds[0].prompt_text.endswith(
+        "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert "<tools>" not in load_prompts(config(path), tok)[0].prompt_text
+    with pytest.raises(TemplateError, match="tools are written by a chat template"):
+        render_prompt(tok, "2 + 2?", apply_chat_template=False, tools=[TOOL_SCHEMA])
