@@ -8,13 +8,17 @@ sampled (re-rendering the conversation after each turn can give other ids, which
 others found silently biases the loss). Decoding happens only to read: the environment
 reads a turn's text to find the call.
 
-`run_turns` is the turn-synchronous loop (NeMo-RL's `run_multi_turn_rollout`): turn k of
-every active trajectory in engine calls, then their environment steps on the pool (at
-`num_workers` at once), then turn k + 1. It works with any engine that has
-`generate(prompts, sampling, seeds, should_stop)`. Dataflow of one turn: continuation
-prompts (prompt + tokens so far) -> `engine.generate` (grouped by the tokens each may still
-draw) -> per trajectory: the call parsed, a step submitted -> `pool.poll` until every step
-answered (the stop request asked between polls) -> answers appended or the trajectory ended.
+Two loops, the same samples for the same seeds (tested):
+- `run_in_flight` (vLLM, the trainer's): every trajectory in flight at once; the engine keeps
+  generating the others while a tool runs (verl's AgentLoop, AReaL). Requests go to vLLM one
+  by one (`VLLMEngine.stream_*`); see its docstring for the dataflow.
+- `run_turns`, turn-synchronous (NeMo-RL's `run_multi_turn_rollout`; the `hf` engine, and the
+  benchmark's baseline): turn k of every active trajectory in engine calls, then their
+  environment steps on the pool (`num_workers` at once), then turn k + 1. Dataflow of one
+  turn: continuation prompts (prompt + tokens so far) -> `engine.generate` (grouped by the
+  tokens each may still draw) -> per trajectory: the call parsed, a step submitted ->
+  `pool.poll` until every step answered (the stop request asked between polls) -> answers
+  appended or the trajectory ended.
 
 Limits (verl's names): `max_turns` policy turns; `max_response_length` tokens after the
 prompt, policy and environment together; a turn draws at most `max_new_tokens`. An answer
@@ -148,14 +152,9 @@ def run_turns(
     `EnvPool`); `tokenizer`: the policy's (decodes turns to read calls, encodes answers
     once). `should_stop` goes to the engine and is asked between pool polls; yes cancels
     the pool's steps and raises `StepAborted`."""
-    trajectories = [
-        Trajectory(i, j, list(p), tasks[i], None if seeds is None else seeds[i])
-        for i, p in enumerate(prompts)
-        for j in range(sampling.n)
-    ]
-    _reset(trajectories, steps, tokenizer, spec, should_stop)
-    sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, spec.call_end_id))
-    active = [t for t in trajectories if t.finish_reason is None]
+    trajectories, sampling = _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer,
+                                    should_stop)  # fmt: skip
+    active = list(trajectories)
     while active:
         _generate_turn(engine, active, sampling, spec, should_stop)
         stepping = [t for t in active if _wants_step(t, spec)]
@@ -187,14 +186,9 @@ def run_in_flight(
     its trajectory. With no request running, the iteration waits on the pool (<= POLL_S).
     The stop request is asked every ABORT_CHECK_STEPS iterations, agreed over the engine's
     ranks: yes aborts the requests, cancels the tools, raises `StepAborted`."""
-    trajectories = [
-        Trajectory(i, j, list(p), tasks[i], None if seeds is None else seeds[i])
-        for i, p in enumerate(prompts)
-        for j in range(sampling.n)
-    ]
+    trajectories, sampling = _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer,
+                                    should_stop)  # fmt: skip
     by_key = {t.key: t for t in trajectories}
-    _reset(trajectories, steps, tokenizer, spec, should_stop)
-    sampling = replace(sampling, stop_token_ids=(*sampling.stop_token_ids, spec.call_end_id))
     first = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, spec.max_response_length))
     for i in range(len(prompts)):
         t = by_key[(i, 0)]
@@ -235,6 +229,19 @@ def _submit_next(engine, t: Trajectory, sampling: SamplingConfig, spec: AgentSpe
     engine.stream_submit(
         t.key, t.prompt + t.tokens, replace(sampling, n=1, max_new_tokens=left), seed
     )
+
+
+def _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer, should_stop):
+    """The trajectories of a rollout, each prompt's environment reset, and the sampling
+    that stops at the format's call end."""
+    trajectories = [
+        Trajectory(i, j, list(p), tasks[i], None if seeds is None else seeds[i])
+        for i, p in enumerate(prompts)
+        for j in range(sampling.n)
+    ]
+    _reset(trajectories, steps, tokenizer, spec, should_stop)
+    stop_ids = (*sampling.stop_token_ids, spec.call_end_id)
+    return trajectories, replace(sampling, stop_token_ids=stop_ids)
 
 
 def _reset(trajectories, steps, tokenizer, spec, should_stop) -> None:

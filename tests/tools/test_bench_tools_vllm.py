@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]  # a benchmark run: the journeys tier
 
 
 def test_bench_tools_times_in_flight_against_turn_by_turn(tmp_path):
