@@ -150,3 +150,31 @@ def test_the_demos_count_all_sums_are_the_generators_and_count_all_never_finishe
             assert r["solution"] == make["solution"](a, b), r
             assert math_reward(r["solution"], r["answer"], cfg) == 1.0, r
     assert 0.5 < counted / len(rows) < 0.7
+
+
+def test_the_tool_sums_are_the_generators_and_their_calls_compute_the_answer(tmp_path):
+    """#47's demo data: held-out pairs, 40% of the warm start's solutions calling the code
+    interpreter with the sum (parsed as the `code` format parses it), every one boxed right."""
+    import runpy
+
+    from megatron_rl.rollout.tool_formats import tool_format
+
+    runpy.run_path(str(DATA / "make_tool_sums.py"))["main"]([str(tmp_path)])
+    for name in ("train", "test"):
+        assert (tmp_path / f"tool_sums_{name}.jsonl").read_text() == (
+            DATA / f"tool_sums_{name}.jsonl"
+        ).read_text()
+    rows, test = jsonl(DATA / "tool_sums_train.jsonl"), jsonl(DATA / "tool_sums_test.jsonl")
+    assert (len(rows), len(test)) == (540, 100)
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test}
+    tools = [r for r in rows if r["solution"].startswith("<tool_call>")]
+    assert 0.3 < len(tools) / len(rows) < 0.5
+    cfg = MathVerifierConfig(backend="fast")
+    for r in rows:
+        assert math_reward(r["solution"], r["answer"], cfg) == 1.0, r
+    for r in tools[:20]:
+        turn = r["solution"].split("</tool_call>")[0] + "</tool_call>"
+        call, error = tool_format("code").parse(turn)
+        a, b = (int(x) for x in r["prompt"].removeprefix("What is ").rstrip("?").split(" + "))
+        assert error is None and call.arguments["code"] == f"print({a} + {b})"
+        assert str(a + b) == r["answer"]
