@@ -13,7 +13,10 @@
    `--min-gain` (0.25): the claim is a gain with a margin on every seed, not a number to the
    digit, because CPU kernels round differently from machine to machine.
 
-Tasks (`--task`, TASKS): `count_on` (the default), sums answered either by counting on
+Tasks (`--task`, TASKS): `tool_sums` (#47), five-digit sums with a code interpreter:
+multi-turn rollouts where the warm start calls the tool in ~40% of its samples and RL must
+find that the tool is what earns the reward (the tool calls per trajectory are printed too);
+`count_on` (the default), sums answered either by counting on
 ("37+6=38+5=...=43+0. The answer is \\boxed{43}.") or by counting all from 1 ("1,2,3,...",
 cut off before the answer in the warm start's solutions), 20-62 tokens decided at the first
 one: what value pretraining, lambda_critic = 1 and length-adaptive GAE are for (the critic
@@ -44,7 +47,7 @@ import torch
 
 from examples.demo.tasks import TASKS, DemoTask
 from examples.demo.tp_step import demo_batch, next_token_loss
-from examples.tiny_model import make_tiny_model
+from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.config import load_config
 from megatron_rl.launch import run_torchrun
 from megatron_rl.parallel.distributed import pin_threads
@@ -57,10 +60,10 @@ MIN_GAIN = 0.25
 machine-to-machine differences in CPU rounding move a run by."""
 
 
-def ensure_tiny_model(path: Path) -> Path:
+def ensure_tiny_model(path: Path, chat_template: str = "chatml") -> Path:
     if (path / "config.json").exists():
         return path
-    return make_tiny_model(path)
+    return make_tiny_model(path, TinyModelSpec(chat_template=chat_template))
 
 
 def megatron_step(model_dir: Path) -> dict:
@@ -179,7 +182,10 @@ def read_curves(metrics_file: Path) -> dict:
     pretrain = [r.get("critic/vf_explained_var") for r in records if r["stage"] == "value_pretrain"]
     pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
-    return {"reward": reward, "eval": evals, "pretrain_ev": pretrain_ev}
+    # multi-turn tasks: tool calls per trajectory of the training rollouts
+    tools = {r["step"]: r["rollout/multi_turn/tool_calls/mean"] for r in train
+             if "rollout/multi_turn/tool_calls/mean" in r}  # fmt: skip
+    return {"reward": reward, "eval": evals, "pretrain_ev": pretrain_ev, "tool_calls": tools}
 
 
 def weak_critics(curves: dict[int, dict], floor: float) -> list[int]:
@@ -258,11 +264,15 @@ def main(argv: list[str] | None = None) -> None:
     pin_threads(a.threads)  # this process and every child: one less host difference
 
     t0 = time.time()
-    model_dir = ensure_tiny_model(a.dir / "tiny-qwen2")
+    task = TASKS[a.task]
+    tools = task.chat_template != "chatml"
+    model_dir = ensure_tiny_model(
+        a.dir / ("tiny-qwen2" if not tools else f"tiny-qwen2-{task.chat_template}"),
+        task.chat_template,
+    )
     print(f"[1/5] tiny Qwen2 checkpoint: {model_dir}", flush=True)
     if a.smoke:
         return smoke(model_dir, a.n)
-    task = TASKS[a.task]
     recipe = a.recipe or task.recipe
     sft_dir = a.dir / f"tiny-sft-{a.task}"
     warm_start(model_dir, sft_dir, task, a.threads, a.sft_steps)
@@ -282,6 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     table, failing = gain_table(curves, a.min_gain)
     print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
+    for seed, c in curves.items():
+        if c["tool_calls"]:
+            steps = sorted(c["tool_calls"])
+            first, last = c["tool_calls"][steps[0]], c["tool_calls"][steps[-1]]
+            print(f"seed {seed}: tool calls per trajectory, step {steps[0]} {first:.2f} -> "
+                  f"step {steps[-1]} {last:.2f}", flush=True)  # fmt: skip
     floor = load_config(recipe).critic.pretrain_ev_warn_below
     weak = weak_critics(curves, floor)
     if weak:  # the trainer warned too; the summary is where it is read

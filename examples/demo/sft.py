@@ -6,7 +6,8 @@
 
 Gold responses are the template filled with each row's `--label-key` column, closed by the
 tokenizer's EOS (`--label-key solution --response-template '{answer}'`: the column is the
-whole worked response).
+whole worked response). A tool's answer in a response (`<tool_response>...</tool_response>`,
+the demo's tool task) is context, out of the loss, as in RL.
 The loss is the actor's positive-sample NLL with every sample positive and zero advantages,
 i.e. the token-mean NLL of the responses (prompt tokens excluded). One process (world size 1,
 TP=1); the result is an HF checkpoint (weights + the input's config and tokenizer), written
@@ -32,6 +33,25 @@ from megatron_rl.rollout.vllm_engine import Sample
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+
+TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
+"""A tool's answer in a gold response (the `code` format's block): context, not imitated."""
+
+
+def gold_response(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """A gold response's ids, closed by EOS, and the spans of the tool answers in it: each
+    stretch encoded alone, as a multi-turn rollout appends it (`rollout/agent.py`), and each
+    answer out of the loss, as the environment's tokens are in RL (`samples_to_batch`)."""
+    ids, spans, rest = [], [], text
+    while TOOL_RESPONSE[0] in rest:
+        before, _, after = rest.partition(TOOL_RESPONSE[0])
+        answer, _, rest = after.partition(TOOL_RESPONSE[1])
+        ids += tokenizer(before, add_special_tokens=False)["input_ids"]
+        block = tokenizer(TOOL_RESPONSE[0] + answer + TOOL_RESPONSE[1], add_special_tokens=False)
+        spans.append((len(ids), len(ids) + len(block["input_ids"])))
+        ids += block["input_ids"]
+    ids += tokenizer(rest, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return ids, spans
 
 
 def main(argv=None) -> None:
@@ -66,9 +86,10 @@ def main(argv=None) -> None:
         rows = [dataset[i] for i in sampler.take(a.batch_size)]
         samples = []
         for r in rows:
-            text = a.response_template.format(answer=r.label)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            samples.append(Sample(0, 0, r.prompt_token_ids, ids, [0.0] * len(ids), "stop"))
+            ids, spans = gold_response(tokenizer, a.response_template.format(answer=r.label))
+            samples.append(
+                Sample(0, 0, r.prompt_token_ids, ids, [0.0] * len(ids), "stop", env_spans=spans)
+            )
         batch = samples_to_batch(samples, tokenizer.pad_token_id or 0)
         zeros = torch.zeros(batch.input_ids.shape, device="cpu")
         batch = batch.with_fields(  # in host memory: the actor moves it to its device

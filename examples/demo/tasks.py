@@ -19,6 +19,9 @@ class DemoTask:
     title: str
     accuracy: str
     """What `eval/accuracy` is in the task's recipe."""
+    chat_template: str = "chatml"
+    """The tiny model's template (`examples/tiny_model.py`): "chatml_tools" has the tool-call
+    markers as tokens (multi-turn rollouts stop at `</tool_call>`)."""
 
 
 TASKS = {
@@ -39,6 +42,16 @@ TASKS = {
         response_template="{answer}",
         title="worked sums, 20-60 token responses",
         accuracy="avg@4 at T=1",
+    ),
+    "tool_sums": DemoTask(
+        recipe="examples/tiny/vapo_tool_sums.yaml",
+        sft_data="examples/tiny/data/tool_sums_train.jsonl",
+        sft_steps=400,
+        sft_label_key="solution",
+        response_template="{answer}",
+        title="5-digit sums with a code interpreter (multi-turn, #47)",
+        accuracy="avg@4 at T=1",
+        chat_template="chatml_tools",
     ),
     "sums": DemoTask(
         recipe="examples/tiny/vapo.yaml",

@@ -178,3 +178,26 @@ def test_the_tool_sums_are_the_generators_and_their_calls_compute_the_answer(tmp
         a, b = (int(x) for x in r["prompt"].removeprefix("What is ").rstrip("?").split(" + "))
         assert error is None and call.arguments["code"] == f"print({a} + {b})"
         assert str(a + b) == r["answer"]
+
+
+def test_the_warm_start_leaves_the_tools_answers_out_of_its_loss(tiny_tools_model_dir):
+    """A gold response with a tool call: the answer block is a span of its own (encoded
+    alone, as a rollout appends it), masked from the SFT loss as environment tokens are in RL."""
+    from transformers import AutoTokenizer
+
+    from examples.demo.sft import gold_response
+    from megatron_rl.data.batch import samples_to_batch
+    from megatron_rl.rollout.vllm_engine import Sample
+
+    tok = AutoTokenizer.from_pretrained(tiny_tools_model_dir)
+    text = jsonl(DATA / "tool_sums_train.jsonl")
+    text = next(r["solution"] for r in text if r["solution"].startswith("<tool_call>"))
+    ids, spans = gold_response(tok, text)
+    ((a, b),) = spans
+    assert tok.decode(ids[a:b]).startswith("<tool_response>")
+    assert tok.decode(ids[a:b]).endswith("</tool_response>")
+    assert tok.decode(ids) == text + tok.eos_token and ids[-1] == tok.eos_token_id
+    batch = samples_to_batch([Sample(0, 0, [1, 2], ids, [0.0] * len(ids), "stop", env_spans=spans)])
+    assert batch.response_mask[0, 2 + a : 2 + b].sum() == 0
+    assert batch.response_mask[0].sum() == len(ids) - (b - a)
+    assert gold_response(tok, "The answer is 3.")[1] == []
