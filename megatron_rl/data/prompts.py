@@ -178,10 +178,10 @@ def read_labels(config: PromptDataConfig, ds) -> list:
 
 
 def load_prompts(
-    config: PromptDataConfig, tokenizer, tools: list[dict] | None = None
+    config: PromptDataConfig, tokenizer, chat_template_kwargs: dict | None = None
 ) -> PromptDataset:
-    """Load, template, tokenise and length-filter every prompt of `config.path`; `tools`
-    (function schemas) go to the chat template (`render_prompt`)."""
+    """Load, template, tokenise and length-filter every prompt of `config.path`;
+    `chat_template_kwargs` (the tools of multi-turn rollouts) go to the chat template."""
     ds = load_table(config)
     source = config.path
     if len(ds) == 0:
@@ -202,7 +202,11 @@ def load_prompts(
         where = f"prompt data {source} row {row}"
         if prompt is None or prompt == "" or prompt == []:
             raise ValueError(f"{where}: field {config.prompt_key!r} is missing or empty")
-        texts.append(render_prompt(tokenizer, prompt, config.apply_chat_template, where, tools))
+        texts.append(
+            render_prompt(
+                tokenizer, prompt, config.apply_chat_template, where, chat_template_kwargs
+            )
+        )
     # The template already wrote the special tokens; raw prompts get the tokenizer's own (BOS).
     ids = tokenizer(texts, add_special_tokens=not config.apply_chat_template)["input_ids"]
     records, dropped = [], 0

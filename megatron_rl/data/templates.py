@@ -59,14 +59,14 @@ def render_prompt(
     prompt: str | Messages,
     apply_chat_template: bool = True,
     where: str = "prompt",
-    tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> str:
     """The text the policy is asked to continue: the template with the generation prompt
     (e.g. ChatML's `<|im_start|>assistant\\n`), or the raw string when templates are off.
-    `tools` (OpenAI function schemas; multi-turn rollouts) go to the template, which writes
-    them where its family expects them (Qwen2.5 / Qwen3: a system block listing them)."""
+    `chat_template_kwargs` go to the template (multi-turn rollouts: the tools, which it
+    writes where its family expects them, `ToolFormat.chat_template_kwargs`)."""
     if not apply_chat_template:
-        if tools:
+        if chat_template_kwargs:
             raise TemplateError(
                 f"{where}: tools are written by a chat template; apply_chat_template is false"
             )
@@ -76,7 +76,7 @@ def render_prompt(
                 f"got {type(prompt).__name__}"
             )
         return prompt
-    extra = {"tools": tools} if tools else {}
+    extra = chat_template_kwargs or {}
     return _render(
         tokenizer, as_messages(prompt, where), where, add_generation_prompt=True, **extra
     )

@@ -8,12 +8,16 @@ text), how the call between them is parsed, and the block the answer is appended
 |---|---|---|
 | `code` (ReTool / ToRL style, the demo) | `<tool_call>print(1 + 2)</tool_call>` | `<tool_response>3</tool_response>` |
 | `hermes` (Qwen2.5, Qwen3, Qwen3-MoE) | `<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "..."}}\\n</tool_call>` | `<\\|im_end\\|>\\n<\\|im_start\\|>user\\n<tool_response>\\n3\\n</tool_response><\\|im_end\\|>\\n<\\|im_start\\|>assistant\\n` |
+| `llama3_python_tag` (Llama-3.1 / 3.2 / 3.3) | `<\\|python_tag\\|>print(1 + 2)<\\|eom_id\\|>` | `<\\|start_header_id\\|>ipython<\\|end_header_id\\|>\\n\\n3<\\|eot_id\\|><\\|start_header_id\\|>assistant<\\|end_header_id\\|>\\n\\n` |
 
 `hermes`' block is Qwen's own chat template's rendering of a tool message after an assistant
 turn that ended at `</tool_call>` (the turn's `<|im_end|>` is the block's first token, since
 the engine stopped before writing it). The answer's text is encoded once, alone, and appended
 to the trajectory's ids: no policy token is ever re-encoded (#47's token in / token out).
-Llama-3.x's ipython role and Mistral's [TOOL_CALLS] are not built (refused by name).
+`llama3_python_tag` is Llama-3.1's built-in code interpreter as its model card and template
+write it (the call ends at `<|eom_id|>`; the answer in the `ipython` role), checked here
+against a tiny tokenizer with those tokens, not against a Llama-3.1 checkpoint. Llama's
+JSON custom-tool calls and Mistral's [TOOL_CALLS] are not built (refused by name).
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ class ToolFormat:
     interpreter (code)."""
     answer_block: str
     """The appended block, `{observation}` standing for the tool's (cut) answer."""
+    template_kwargs: tuple[tuple[str, str], ...] = ()
+    """How the chat template is told of the tools (`chat_template_kwargs`): (keyword,
+    "schemas" for the tools' function schemas | "names" for their names)."""
+
+    def chat_template_kwargs(self, schemas: list[dict]) -> dict:
+        """The keywords that make the policy's template write `schemas` into the prompt:
+        `tools=` for Qwen's (a system block), `builtin_tools=` for Llama-3.1's built-in
+        interpreter ("Environment: ipython")."""
+        names = [s["function"]["name"] for s in schemas]
+        return {key: schemas if what == "schemas" else names for key, what in self.template_kwargs}
 
     def parse(self, text: str) -> tuple[ToolCall | None, str | None]:
         """(call, None) from a turn's text that ends with `call_end`, or (None, why)."""
@@ -89,12 +103,18 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
             "hermes", "<tool_call>", "</tool_call>", json_call=True,
             answer_block="<|im_end|>\n<|im_start|>user\n<tool_response>\n{observation}\n"
             "</tool_response><|im_end|>\n<|im_start|>assistant\n",
+            template_kwargs=(("tools", "schemas"),),
+        ),
+        ToolFormat(
+            "llama3_python_tag", "<|python_tag|>", "<|eom_id|>", json_call=False,
+            answer_block="<|start_header_id|>ipython<|end_header_id|>\n\n{observation}"
+            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+            template_kwargs=(("builtin_tools", "names"),),
         ),
     )
 }  # fmt: skip
 NOT_BUILT = {
-    "llama3_json": "Llama-3.x's ipython role",
-    "llama3_python_tag": "Llama-3.x's <|python_tag|> built-in tool",
+    "llama3_json": "Llama-3.x's JSON custom-tool calls",
     "mistral": "Mistral's [TOOL_CALLS] / [TOOL_RESULTS]",
 }
 

@@ -84,14 +84,15 @@ def agent_spec(config: TrainConfig, tokenizer) -> AgentSpec:
     )  # fmt: skip
 
 
-def prompt_tools(config: TrainConfig) -> list[dict] | None:
-    """The tool schemas the chat template writes into every prompt: the code interpreter's
-    with the `hermes` format (Qwen's templates list them in a system block); None otherwise
-    (`code` calls are inline; a `python` environment's prompts describe its tools)."""
+def prompt_tools(config: TrainConfig) -> dict | None:
+    """The chat template's keywords that write the code interpreter into every prompt, as
+    the format's family expects (`ToolFormat.chat_template_kwargs`: Qwen's `tools=` system
+    block, Llama-3.1's `builtin_tools=`); None for `code` (inline calls) and for `python`
+    environments, whose prompts describe their tools."""
     m = config.rollout.multi_turn
-    if m.enable and m.format == "hermes" and m.env.type == "code_interpreter":
-        return [TOOL_SCHEMA]
-    return None
+    if not m.enable or m.env.type != "code_interpreter":
+        return None
+    return tool_format(m.format).chat_template_kwargs([TOOL_SCHEMA]) or None
 
 
 def build_env_pool(config: TrainConfig, rank: int, vllm_tensor_parallel_size: int):

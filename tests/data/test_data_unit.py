@@ -220,10 +220,11 @@ def test_tool_schemas_are_written_by_the_policys_template(tmp_path, tiny_tools_m
     every prompt through the template (`chatml_tools` lists tools as Qwen2.5's does); with
     templates off there is nowhere to write them, which is refused."""
     from megatron_rl.envs.code_interpreter import TOOL_SCHEMA
+    from megatron_rl.rollout.tool_formats import tool_format
 
     tok = AutoTokenizer.from_pretrained(tiny_tools_model_dir)
     path = write_jsonl(tmp_path / "p.jsonl", ROWS)
-    ds = load_prompts(config(path), tok, tools=[TOOL_SCHEMA])
+    ds = load_prompts(config(path), tok, tool_format("hermes").chat_template_kwargs([TOOL_SCHEMA]))
     assert ds[0].prompt_text.startswith(
         '<|im_start|>system\n# Tools\n\n<tools>\n{"type": "function", "function": '
         '{"name": "code_interpreter"'
@@ -233,4 +234,4 @@ def test_tool_schemas_are_written_by_the_policys_template(tmp_path, tiny_tools_m
     )
     assert "<tools>" not in load_prompts(config(path), tok)[0].prompt_text
     with pytest.raises(TemplateError, match="tools are written by a chat template"):
-        render_prompt(tok, "2 + 2?", apply_chat_template=False, tools=[TOOL_SCHEMA])
+        render_prompt(tok, "2 + 2?", False, chat_template_kwargs={"tools": [TOOL_SCHEMA]})

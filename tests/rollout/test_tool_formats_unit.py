@@ -60,8 +60,8 @@ def test_the_answer_blocks():
 
 
 def test_formats_not_built_or_unknown_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"'llama3_python_tag' \(Llama-3.x's <\|python_tag\|>"):
-        tool_format("llama3_python_tag")
+    with pytest.raises(ValueError, match=r"'mistral' \(Mistral's \[TOOL_CALLS\]"):
+        tool_format("mistral")
     with pytest.raises(ValueError, match=r"unknown tool format 'json'; expected one of"):
         tool_format("json")
 
@@ -85,3 +85,30 @@ def test_the_call_end_must_be_one_token_of_the_policys_tokenizer(tiny_model_dir)
 def test_truncation_keeps_the_chosen_side_and_says_how_much_was_cut(side, expected):
     assert truncate("abcdefghij", 4, side) == expected
     assert truncate("abc", 4, side) == "abc"
+
+
+def test_llamas_built_in_interpreter_format(tmp_path):
+    """`llama3_python_tag` (Llama-3.1's model card): the call is the code after
+    `<|python_tag|>`, ending at `<|eom_id|>`; the answer is an `ipython` message; the template
+    is told of the interpreter by `builtin_tools` (Qwen's by `tools`). A tiny Llama-3
+    tokenizer with those two tokens added stands for the real one (not at hand)."""
+    from examples.tiny_model import TinyModelSpec, build_tokenizer
+    from megatron_rl.envs.code_interpreter import TOOL_SCHEMA
+
+    fmt = tool_format("llama3_python_tag")
+    call, error = fmt.parse("<|python_tag|>print(6 * 7)<|eom_id|>")
+    assert (call, error) == (ToolCall("code_interpreter", {"code": "print(6 * 7)"}), None)
+    assert fmt.answer("42") == (
+        "<|start_header_id|>ipython<|end_header_id|>\n\n42<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert fmt.chat_template_kwargs([TOOL_SCHEMA]) == {"builtin_tools": ["code_interpreter"]}
+    assert HERMES.chat_template_kwargs([TOOL_SCHEMA]) == {"tools": [TOOL_SCHEMA]}
+    assert CODE.chat_template_kwargs([TOOL_SCHEMA]) == {}
+    tokenizer = build_tokenizer(TinyModelSpec(model_type="llama", chat_template="llama3"))
+    with pytest.raises(ValueError, match=r"'<\|eom_id\|>' is \d+ tokens"):
+        call_end_id(fmt, tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "<|eom_id|>"]})
+    assert call_end_id(fmt, tokenizer) == tokenizer.convert_tokens_to_ids("<|eom_id|>")
+    block = tokenizer.encode(fmt.answer("42"), add_special_tokens=False)
+    assert tokenizer.decode(block) == fmt.answer("42")  # its specials are single tokens
