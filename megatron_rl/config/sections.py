@@ -71,8 +71,8 @@ class MultiTurnConfig:
     `response_length`); each turn draws at most rollout.max_new_tokens of them."""
     format: str = "hermes"
     """How calls are written and answers appended (`rollout/tool_formats.py`): "hermes"
-    (Qwen2.5 / Qwen3's `<tool_call>` JSON), "code" (raw code in `<tool_call>`, ReTool / ToRL
-    style)."""
+    (Qwen2.5 / Qwen3's `<tool_call>` JSON), "llama3_python_tag" (Llama-3.1's built-in
+    interpreter), "code" (raw code in `<tool_call>`, ReTool / ToRL style)."""
     max_tool_response_length: int = 256
     """Characters of an answer kept (verl's name)."""
     tool_response_truncate_side: str = "middle"
