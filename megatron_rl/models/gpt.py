@@ -7,7 +7,8 @@ mixture-of-experts families a top-k routed MoE layer in place of every MLP (`MoE
 
 Layer specs: the Transformer Engine spec when TE is importable and CUDA is present (fused
 norm+linear, FP8-capable; experts as one grouped GEMM, `TEGroupedMLP`), otherwise
-megatron-core's local spec with our `RMSNorm`, which unlike megatron's torch-norm wrapper
+megatron-core's local spec with PyTorch's fused attention (`models/attention.py`) and our
+`RMSNorm`, which unlike megatron's torch-norm wrapper
 supports sequence parallelism (its weight is tagged `sequence_parallel`, so Megatron
 all-reduces its gradient across the TP group), and experts as a `SequentialMLP`. Both expert
 layouts save the same sharded checkpoint (experts at global indices).
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.rope import yarn_inv_freq
 from megatron_rl.parallel.distributed import ParallelLayout
 
@@ -337,14 +339,23 @@ def transformer_config(
     )
 
 
+CORE_ATTENTIONS = ("sdpa", "unfused")
+
+
 def layer_spec(
     use_transformer_engine: bool | None = None,
     qk_layernorm: bool = False,
     num_experts: int | None = None,
+    core_attention: str = "sdpa",
 ):
     """A transformer-layer ModuleSpec: TE's on GPU with TE, else the local one with RMSNorm
     (also as the per-head query/key norm when `qk_layernorm`, Qwen3). With `num_experts` the
-    MLP is a MoE layer: TE's grouped GEMM experts, or the local `SequentialMLP`."""
+    MLP is a MoE layer: TE's grouped GEMM experts, or the local `SequentialMLP`.
+
+    The local spec's `core_attention`: "sdpa" (`models/attention.py`: PyTorch's flash or
+    memory-efficient kernels, never an s x s tensor) or "unfused" (megatron-core's
+    `DotProductAttention`, which materialises the scores: the reference the tests compare
+    with)."""
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -357,8 +368,12 @@ def layer_spec(
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, normalization="RMSNorm", qk_layernorm=qk_layernorm
     )
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention={core_attention!r}: expected one of {CORE_ATTENTIONS}")
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if core_attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if qk_layernorm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = RMSNorm
@@ -419,6 +434,7 @@ def build_gpt_model_chunks(
     max_sequence_length: int | None = None,
     recompute: RecomputeConfig | None = None,
     moe: MoEConfig | None = None,
+    core_attention: str = "sdpa",
 ) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage, else a single one).
 
@@ -436,7 +452,9 @@ def build_gpt_model_chunks(
     )
     if config.fp8 and not use_transformer_engine:
         raise ValueError("fp8 needs the Transformer Engine layer spec (use_transformer_engine)")
-    layer = layer_spec(use_transformer_engine, arch.qk_layernorm, arch.num_moe_experts or None)
+    layer = layer_spec(
+        use_transformer_engine, arch.qk_layernorm, arch.num_moe_experts or None, core_attention
+    )
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:

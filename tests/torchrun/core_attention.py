@@ -1,0 +1,78 @@
+"""torchrun worker (2 ranks): the local spec's fused core attention (`SDPAttention`) gives the
+unfused reference's (`DotProductAttention`) logits and gradients, with the same weights, at
+TP2 with sequence parallelism, PP2 (1F1B over two micro-batches) and TP1 over DP2; the tiny
+preset has grouped-query attention (4 query heads, 2 key/value groups; 2 and 1 a TP rank).
+
+Each rank writes {layout}_{rank}.pt: {"logits": {attention: [b, s, V/tp] per micro-batch,
+last stage only}, "grads": {attention: {name: grad}}}.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models.gpt import build_gpt_model_chunks
+from megatron_rl.models.presets import preset_arch
+from megatron_rl.parallel import distributed
+from megatron_rl.workers.schedule import run_schedule
+from tests.torchrun.common import fixed_tokens
+
+LAYOUTS = {
+    "tp2_sp": distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2": distributed.ParallelLayout(pipeline_model_parallel_size=2),
+    "dp2": distributed.ParallelLayout(),
+}
+
+
+def logits_and_grads(chunks, tokens):
+    """Two micro-batches through megatron's schedule, a loss reading every logit."""
+    micro = [
+        TrainingBatch(input_ids=t, response_mask=torch.ones_like(t)) for t in tokens.split(2)
+    ]
+    seen = []
+
+    def loss_fn(mb, logits):
+        seen.append(logits.detach().clone())
+        loss = logits.float().logsumexp(-1).mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    for chunk in chunks:
+        chunk.zero_grad()
+    run_schedule(chunks, micro, loss_fn, forward_only=False)
+    grads = {
+        f"{i}.{name}": p.grad.clone()
+        for i, chunk in enumerate(chunks)
+        for name, p in chunk.named_parameters()
+    }
+    return seen, grads
+
+
+@record
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--seq-length", type=int, default=96)
+    a = p.parse_args()
+    arch = preset_arch("tiny")
+    for name, layout in LAYOUTS.items():
+        ctx = distributed.initialize(layout, arch=arch)
+        tokens = fixed_tokens(arch.vocab_size, batch=4, seq=a.seq_length).to(ctx.device)
+        reference = build_gpt_model_chunks(arch, layout, core_attention="unfused")
+        fused = build_gpt_model_chunks(arch, layout, core_attention="sdpa")
+        for r, f in zip(reference, fused, strict=True):
+            f.load_state_dict(r.state_dict())
+        out = {"logits": {}, "grads": {}}
+        for attention, chunks in (("unfused", reference), ("sdpa", fused)):
+            out["logits"][attention], out["grads"][attention] = logits_and_grads(chunks, tokens)
+        torch.save(out, Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
