@@ -23,6 +23,7 @@ import torch
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
+from megatron_rl.models.lm_head import emit_hidden_states
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -89,9 +90,11 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
     originals = [c.forward for c in actor.chunks]
     for c in actor.chunks:
         c.forward = with_labels(c)
+    emit_hidden_states(actor.chunks, on=False)  # megatron's own output layer and loss
     try:
         run_schedule(actor.chunks, batch.split(num_microbatches), loss_fn, forward_only=False)
     finally:
+        emit_hidden_states(actor.chunks, on=True)
         for c, f in zip(actor.chunks, originals, strict=True):
             c.forward = f
     actor.optimizer.step()

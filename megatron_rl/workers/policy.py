@@ -27,34 +27,37 @@ from megatron_rl.models.gpt import (
     RecomputeConfig,
     build_gpt_model_chunks,
 )
+from megatron_rl.models.lm_head import emit_hidden_states, output_weight
 from megatron_rl.models.router_replay import RouteReplay, RouterReplayConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.distributed import ParallelLayout
-from megatron_rl.parallel.vocab import vocab_parallel_entropy, vocab_parallel_logprobs
+from megatron_rl.parallel.vocab import chunked_logprobs_entropy
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import MegatronRole, TrainableRole
 
 
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, temperature: float = 1.0
-) -> torch.Tensor:
-    """Vocab-sharded logits [B, S, V/tp] -> log-probs [B, S] of each token given its prefix,
-    under the sampling distribution softmax(logits / temperature)."""
-    return shift_to_tokens(
-        vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], vocab_size, temperature)
-    )
-
-
-def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the distribution each token was drawn from: [B, S] aligned to tokens."""
-    return shift_to_tokens(vocab_parallel_entropy(logits[:, :-1], vocab_size, temperature))
+def token_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states [B, S, h] and the vocab-sharded projection [V/tp, h] -> the
+    log-probs [B, S] of each token given its prefix and the entropy of the distribution it
+    was drawn from, aligned to tokens, under softmax(logits / temperature); the logits are
+    made chunk by chunk and never whole (`parallel.vocab.chunked_logprobs_entropy`)."""
+    labels = torch.roll(input_ids, -1, dims=1)  # the last column's label is never read
+    logprobs, entropy = chunked_logprobs_entropy(hidden, weight, labels, vocab_size, temperature)
+    return shift_to_tokens(logprobs[:, :-1]), shift_to_tokens(entropy[:, :-1])
 
 
 def _policy_chunks(arch, layout, model_path, precision, recompute=None, moe=None) -> list:
     chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute, moe=moe)
     if model_path is not None:
         ModelSource(model_path).load_policy(chunks, arch)
+    emit_hidden_states(chunks)  # the losses make logits chunk by chunk (models/lm_head.py)
     return chunks
 
 
@@ -80,13 +83,11 @@ class _LogProbs:
         vocab, t = self.arch.vocab_size, self.temperature
         record = self.router_replay.log_mismatch and batch.routed_experts is not None
         hooks = RouteReplay(self.chunks, record=True) if record else self.schedule_hooks(batch)
-        out = self.forward_collect(
-            batch,
-            num_microbatches,
-            lambda mb, logits: token_logprobs(logits, mb.input_ids, vocab, t),
-            max_tokens,
-            hooks,
-        )
+        def collect(mb, hidden):  # the last pipeline stage's
+            weight = output_weight(self.chunks)
+            return token_logprobs_entropy(hidden, weight, mb.input_ids, vocab, t)[0]
+
+        out = self.forward_collect(batch, num_microbatches, collect, max_tokens, hooks)
         self.routing_metrics = hooks.mismatch_metrics(self.arch.num_layers) if record else {}
         return out
 
@@ -150,11 +151,12 @@ class Actor(_LogProbs, TrainableRole):
         super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision, optim=optim)
         self.temperature = temperature
 
-    def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, logits):
+    def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, hidden):
         tokens, seqs, positive = counts
         mask = mb.response_mask
-        vocab, t = self.arch.vocab_size, self.temperature
-        logprobs = token_logprobs(logits, mb.input_ids, vocab, t)
+        logprobs, entropy = token_logprobs_entropy(
+            hidden, output_weight(self.chunks), mb.input_ids, self.arch.vocab_size, self.temperature
+        )
         advantages = mb.advantages
         if mb.rollout_is_weights is not None:
             # TIS: w > 0 times a token's clipped surrogate is the surrogate with w * A (both
@@ -171,15 +173,9 @@ class Actor(_LogProbs, TrainableRole):
             loss = loss + cfg.nll_coef * nll
             metrics["nll_loss"] = nll
         if cfg.entropy_coef > 0:
-            entropy = token_entropy(logits, vocab, t)
             loss = loss - cfg.entropy_coef * aggregate_loss(
                 entropy, mask, cfg.loss_agg_mode, tokens, seqs
             )
-        else:
-            # A metric only: no graph, so none of its two fp32 logit-sized tensors stays
-            # alive until the backward (`tools/plan_memory.py` counts them only with a bonus).
-            with torch.no_grad():
-                entropy = token_entropy(logits, vocab, t)
         if cfg.kl_loss_coef > 0:
             if mb.ref_logprobs is None:
                 raise ValueError("kl_loss_coef > 0 needs ref_logprobs in the batch")

@@ -1,0 +1,89 @@
+"""torchrun worker (2 ranks): chunked log-probs and entropy from hidden states
+(`parallel.vocab.chunked_logprobs_entropy`) equal those of the full vocab-parallel logits, in
+value and in the gradients of the hidden states and the projection, at TP2 and TP1 (DP2),
+with a padded vocabulary, a temperature, chunks of 1, 7 and all tokens, and with the entropy
+in the loss or not.
+
+Each rank writes {layout}_{rank}.pt: {case: {"chunked": {...}, "full": {...}}} with
+logprobs, entropy, grad_hidden, grad_weight.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from megatron_rl.parallel import distributed
+from megatron_rl.parallel.vocab import (
+    chunked_logprobs_entropy,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
+)
+
+VOCAB, PADDED, HIDDEN, TOKENS = 250, 256, 32, (3, 10)
+CASES = {  # name: (chunk, temperature, entropy in the loss)
+    "one_token_chunks": (1, 1.0, True),
+    "chunks_of_7_tempered": (7, 0.7, True),
+    "one_chunk_no_entropy_grad": (None, 1.3, False),
+}
+LAYOUTS = {
+    "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
+    "tp1": distributed.ParallelLayout(),
+}
+
+
+def run(case, hidden, weight, labels, coef_lp, coef_h, chunked: bool):
+    chunk, temperature, entropy_in_loss = CASES[case]
+    hidden = hidden.clone().requires_grad_(True)
+    weight = weight.clone().requires_grad_(True)
+    if chunked:
+        logprobs, entropy = chunked_logprobs_entropy(
+            hidden, weight, labels, VOCAB, temperature, chunk
+        )
+    else:
+        logits = hidden @ weight.t()
+        logprobs = vocab_parallel_logprobs(logits, labels, VOCAB, temperature)
+        entropy = vocab_parallel_entropy(logits, VOCAB, temperature)
+    loss = (coef_lp * logprobs).sum()
+    if entropy_in_loss:
+        loss = loss + (coef_h * entropy).sum()
+    loss.backward()
+    return {
+        "logprobs": logprobs.detach(),
+        "entropy": entropy.detach(),
+        "grad_hidden": hidden.grad,
+        "grad_weight": weight.grad,
+    }
+
+
+@record
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out-dir", required=True)
+    a = p.parse_args()
+    for name, layout in LAYOUTS.items():
+        ctx = distributed.initialize(layout)
+        g = torch.Generator().manual_seed(3)  # the same on every rank
+        hidden = torch.randn(*TOKENS, HIDDEN, generator=g).to(ctx.device)
+        full_weight = (torch.randn(PADDED, HIDDEN, generator=g) * 0.5).to(ctx.device)
+        labels = torch.randint(0, VOCAB, TOKENS, generator=g).to(ctx.device)
+        coef_lp, coef_h = (torch.randn(*TOKENS, generator=g).to(ctx.device) for _ in range(2))
+        tp = layout.tensor_model_parallel_size
+        weight = full_weight.chunk(tp)[ctx.rank % tp]
+        out = {
+            case: {
+                kind: run(case, hidden, weight, labels, coef_lp, coef_h, kind == "chunked")
+                for kind in ("chunked", "full")
+            }
+            for case in CASES
+        }
+        torch.save(out, Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
