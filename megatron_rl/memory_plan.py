@@ -16,11 +16,12 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
   - `te` (GPU, Transformer Engine spec, flash attention): norm input and output of both
     LayerNormLinear blocks (4h), Q, K, V and the attention output (2q + 2kv), fc1 output (2f)
     and fc2 input (f); no s^2 term. FP8 stores GEMM inputs in 1 B.
-  - `local` (megatron-core's local spec + torch RMSNorm + unfused attention; what runs on
-    CPU): per norm its input, normalised x and output (3h, plus the rstd); Q and K, V
-    repeated to all heads and the context (4q); the softmax (a*s per token); fc1 output (2f)
-    and three f-sized tensors of the SwiGLU; per layer the fp32 RoPE tables and the causal
-    mask. Within 1% of saved-tensor hooks on a real actor (`tools/plan_memory.py
+  - `local` (megatron-core's local spec + torch RMSNorm + PyTorch's fused attention, what
+    runs without TE, on CPU and on GPU): per norm its input, normalised x and output (3h,
+    plus the rstd); Q and K after RoPE, the fused QKV output (V is a view of it), the
+    attention's output and the context (3q + 3kv) and its fp32 log-sum-exp (a per token);
+    fc1 output (2f) and three f-sized tensors of the SwiGLU; per layer the fp32 RoPE tables.
+    No s^2 term. Within 2% of saved-tensor hooks on a real actor (`tools/plan_memory.py
     --check-cpu`, tests/tools/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
 always. A MoE layer (routing balanced: each rank's experts see as many token copies as it has
@@ -29,9 +30,12 @@ routed copy the dispatched input (h), fc1's output (2I / ETP) and fc2's input (I
 `local` profile the SwiGLU's three I-sized terms instead of fc2's input. 1F1B keeps min(PP, micro-batches) micro-batches in flight on the first stage; the
 interleaved schedule L * (1 + (PP-1)/(PP*VPP)) layers' worth. Full recompute keeps each
 layer's input and recomputes one layer at a time; selective recompute (megatron's
-`core_attn`) drops the attention core's saved tensors but its inputs.
-The last stage also holds an fp32 copy of the [micro-batch, seq, vocab/TP] logits for the
-log-probs' backward (three with an entropy bonus; `megatron_rl.parallel.vocab`).
+`core_attn`) drops the attention core's saved tensors but its inputs and output, which with
+fused attention (no s x s scores) saves nothing.
+The policy's last stage never holds the [micro-batch, seq, vocab/TP] logits: log-probs and
+entropy are made chunk by chunk and recomputed in backward (`megatron_rl.parallel.vocab`); it
+keeps the hidden states, and one chunk's fp32 logits and three tensors their size are alive
+at once in backward (`head_workspace_bytes`, in the plan's activations).
 
 vLLM colocated: it takes `gpu_memory_utilization` of the GPU during generation (its weights,
 then KV cache); in sleep mode (level 1) it holds nothing during training. Not modelled: the
@@ -54,6 +58,9 @@ from megatron_rl.models.presets import expert_layer_param_count, layer_param_cou
 from megatron_rl.rollout.replica import RolloutLayout
 
 GiB = 2**30
+LOGPROB_CHUNK_ELEMENTS = 2**26
+"""`megatron_rl.parallel.vocab.CHUNK_ELEMENTS` (a test keeps them equal; this module
+imports no torch)."""
 RECOMPUTE = (None, "selective", "full")
 PROFILES = ("te", "local")
 OFFLOADABLE = {
@@ -95,9 +102,6 @@ class MemoryPlanConfig:
     """bf16 (GPU) or fp32 (the CPU path)."""
     profile: str = "te"
     """Saved-activation profile: "te" (GPU) or "local" (megatron local spec, CPU)."""
-    entropy_loss: bool = False
-    """An entropy bonus in the policy loss (entropy_coef > 0): its backward keeps two more fp32
-    copies of the logits (as a metric only, entropy is computed without a graph)."""
     critic: bool = True
     reference: bool = False
     """A reference policy for the KL term (VAPO has none)."""
@@ -320,14 +324,9 @@ def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> d
             "attention": (2 * q + 2 * kv) / tp,  # Q, K, V, output (flash attention)
             "mlp": 2 * f / tp,  # fc1 output for the SwiGLU backward
         }
-    if c.recompute_granularity == "selective":
-        # The checkpoint keeps Q and K after RoPE, and V as a view of the fused QKV output.
-        core = (2 * q + 3 * kv) / tp
-    else:
-        core = _attention_core_elements(arch, c)
     return {
         "norms": (6 * h + 2) / sp,  # per norm: input, rstd, x * rstd, output
-        "attention": core + q / tp,  # + context (the projection's input)
+        "attention": _local_attention_elements(arch, c),
         "mlp": 5 * f / tp,  # fc1 output 2f, SwiGLU: linear half, silu, product
     }
 
@@ -346,31 +345,42 @@ def _moe_layer_activation_elements(arch, c, sp, q, kv) -> dict[str, float]:
             "attention": (2 * q + 2 * kv) / tp,
             "mlp": router + k * 2 * i / c.expert_tensor_size,  # fc1 output
         }
-    core = (
-        (2 * q + 3 * kv) / tp
-        if c.recompute_granularity == "selective"
-        else _attention_core_elements(arch, c)
-    )
     return {
         "norms": (6 * h + 2) / sp,
-        "attention": core + q / tp,
+        "attention": _local_attention_elements(arch, c),
         "mlp": router + k * (h + 5 * i / c.expert_tensor_size),  # input, fc1, SwiGLU terms
     }
 
 
+def _attention_core_inputs(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
+    """`local`: Q and K after RoPE, and the fused QKV output (V is a view of it)."""
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
+    return (2 * q + 3 * kv) / c.tensor_model_parallel_size
+
+
 def _attention_core_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
-    """Unfused attention (`local`): Q, and K, V repeated to all heads, and the softmax."""
+    """What PyTorch's fused attention (`models/attention.py`) saves beyond its inputs: its
+    output (the projection's input, the same storage) and each head's fp32 log-sum-exp; no
+    s x s term."""
     q = arch.num_attention_heads * arch.head_dim
-    return (3 * q + arch.num_attention_heads * c.seq_length) / c.tensor_model_parallel_size
+    lse = arch.num_attention_heads * 4 / _bytes_per_element(c)
+    return (q + lse) / c.tensor_model_parallel_size
+
+
+def _local_attention_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
+    """`local`, per token of a layer. Selective recompute keeps the core's inputs and its
+    output (the projection's input, a storage of its own then) and recomputes the rest."""
+    inputs = _attention_core_inputs(arch, c)
+    if c.recompute_granularity == "selective":
+        return inputs + arch.num_attention_heads * arch.head_dim / c.tensor_model_parallel_size
+    return inputs + _attention_core_elements(arch, c)
 
 
 def _per_layer_constant(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:
-    """`local` only: RoPE cos/sin for Q and K (fp32) and the boolean causal mask (which
-    selective recompute rebuilds in backward instead), per layer."""
+    """`local` only: RoPE cos/sin for Q and K (fp32), per layer."""
     if c.profile == "te":
         return 0
-    mask = 0 if c.recompute_granularity == "selective" else c.seq_length**2
-    return 4 * c.seq_length * arch.head_dim * 4 + mask
+    return 4 * c.seq_length * arch.head_dim * 4
 
 
 def layer_activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
@@ -396,17 +406,31 @@ def layers_in_flight(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
 
 
 def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
-    """Last stage: the final norm, and for the policy the fp32 copies of the vocab-parallel
-    logits that `megatron_rl.parallel.vocab` keeps for backward: the log-probs' one, and the
-    entropy's two when an entropy bonus is in the loss."""
+    """Last stage: the final norm, and for the policy what the chunked log-probs keep for
+    backward (`parallel.vocab.chunked_logprobs_entropy`): the whole sequence's hidden
+    states, the labels (int64) and each token's fp32 log-sum-exp and entropy; never the
+    logits (`head_workspace_bytes`)."""
     tp = c.tensor_model_parallel_size
     sp = tp if c.sequence_parallel else 1
     tokens = c.micro_batch_tokens
     h = arch.hidden_size
-    norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * _bytes_per_element(c)
-    copies = 3 if c.entropy_loss else 1
-    logits = copies * 4 * arch.padded_vocab_size(tp) // tp if role != "critic" else 0
-    return int(tokens * (norm + logits))
+    width = _bytes_per_element(c)
+    norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * width
+    policy = h * width + 8 + 2 * 4 if role != "critic" else 0
+    return int(tokens * (norm + policy))
+
+
+def head_workspace_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
+    """The policy's transient at its last stage's backward: one chunk of fp32 logits and
+    the three tensors of its size made from them (probabilities, their log, the gradient);
+    a chunk is `LOGPROB_CHUNK_ELEMENTS` or the micro-batch (`parallel.vocab`)."""
+    if role == "critic":
+        return 0
+    local_vocab = (
+        arch.padded_vocab_size(c.tensor_model_parallel_size) // c.tensor_model_parallel_size
+    )
+    chunk = min(c.micro_batch_tokens, max(1, LOGPROB_CHUNK_ELEMENTS // local_vocab))
+    return 4 * 4 * chunk * local_vocab
 
 
 def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
@@ -419,8 +443,9 @@ def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) ->
         stored = arch.hidden_size / sp * tokens * _bytes_per_element(c)
         recompute = layer_activation_bytes(arch, c)
     elif c.recompute_granularity == "selective" and c.profile == "local":
-        core = _attention_core_elements(arch, c) * tokens * _bytes_per_element(c)
-        recompute = core + c.seq_length**2  # + the causal mask, rebuilt there
+        # one layer's core recomputed in backward saves its inputs again, and what it keeps
+        core = _attention_core_inputs(arch, c) + _attention_core_elements(arch, c)
+        recompute = core * tokens * _bytes_per_element(c)
     head = head_bytes(arch, c, role)
     first = layers_in_flight(arch, c) * stored + recompute
     if c.pipeline_model_parallel_size == 1:
@@ -449,7 +474,11 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
         for kind, n in model_state_bytes(params[role], c, trainable, experts).items():
             states[f"{role}_{kind}"] = n
     params = {r: n + experts for r, n in params.items()}
-    activations = {r: activation_bytes(arch, c, r) for r in roles if r != "reference"}
+    activations = {
+        r: activation_bytes(arch, c, r) + head_workspace_bytes(arch, c, r)
+        for r in roles
+        if r != "reference"
+    }
 
     notes = []
     vllm = kv_cache = kv_tokens = 0

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.memory_plan import (
+    LOGPROB_CHUNK_ELEMENTS,
     OFFLOADABLE,
     MemoryPlanConfig,
     PlanError,
     activation_bytes,
+    head_workspace_bytes,
     plan_memory,
     stage_params,
 )
@@ -99,13 +101,14 @@ def test_recompute_and_sequence_parallelism_cut_activations():
     sp = activation_bytes(arch, dataclasses.replace(base, sequence_parallel=True), "actor")
     full = activation_bytes(arch, dataclasses.replace(base, recompute_granularity="full"), "actor")
     assert full < sp < none
-    # Flash attention keeps no s x s scores, so selective recompute buys nothing on `te`.
+    # Flash attention keeps no s x s scores, so selective recompute buys nothing on `te`;
+    # on `local` (PyTorch's fused attention) it costs a little: its output becomes a copy of
+    # its own and one layer's core is saved again while it is recomputed.
     selective = dataclasses.replace(base, recompute_granularity="selective")
     assert activation_bytes(arch, selective, "actor") == none
-    # The unfused CPU attention does keep them: there it helps.
     local = dataclasses.replace(base, profile="local", params_dtype="fp32")
     local_selective = dataclasses.replace(local, recompute_granularity="selective")
-    assert activation_bytes(arch, local_selective, "actor") < activation_bytes(arch, local, "actor")
+    assert activation_bytes(arch, local_selective, "actor") > activation_bytes(arch, local, "actor")
 
 
 def test_a_token_budget_bounds_the_activations_of_a_micro_batch():
@@ -339,14 +342,43 @@ def test_experts_split_over_ep_and_their_adam_state_over_expert_data_parallel():
         plan_memory(preset_arch("qwen3-8b"), dataclasses.replace(c, data_parallel_size=4))
 
 
-def test_the_30b_a3b_recipe_fits_16_h100_and_not_8():
+def test_the_30b_a3b_recipe_fits_16_h100_and_8_only_thinly():
     settings = recipe_settings(str(RECIPE_30B_A3B))
     arch = preset_arch("qwen3-30b-a3b")
     on16 = plan_memory(arch, MemoryPlanConfig(**settings, data_parallel_size=8))
     on8 = plan_memory(arch, MemoryPlanConfig(**settings, data_parallel_size=4))
-    assert on16.fits and not on8.fits
+    assert on16.fits and on16.margin_bytes > 20 * 2**30
     # the numbers in the recipe's header
     assert (
-        round(on16.train_bytes / 2**30, 1) == 56.3 and round(on16.rollout_bytes / 2**30, 1) == 48.0
+        round(on16.train_bytes / 2**30, 1) == 51.0 and round(on16.rollout_bytes / 2**30, 1) == 48.0
     )
-    assert round(on8.train_bytes / 2**30, 1) == 77.7
+    assert round(on8.train_bytes / 2**30, 1) == 72.3 and on8.margin_bytes < 4 * 2**30
+
+
+def test_no_term_grows_with_the_square_of_the_sequence_or_holds_whole_logits():
+    """Fused attention (both profiles) and chunked log-probs: a sequence twice as long costs
+    twice the activations (up to the bounded logit workspace), and the workspace of a 152k
+    vocabulary stops growing once a micro-batch is longer than one chunk."""
+    arch = preset_arch("qwen2.5-0.5b")
+    for profile, dtype in (("te", "bf16"), ("local", "fp32"), ("local", "bf16")):
+        c = MemoryPlanConfig(
+            micro_batch_size=1, seq_length=16384, profile=profile, params_dtype=dtype, critic=False
+        )
+        double = dataclasses.replace(c, seq_length=32768)
+        assert activation_bytes(arch, double, "actor") == pytest.approx(
+            2 * activation_bytes(arch, c, "actor"), rel=0.01
+        )
+        assert (
+            head_workspace_bytes(arch, double, "actor")
+            == head_workspace_bytes(arch, c, "actor")
+            == 16
+            * (LOGPROB_CHUNK_ELEMENTS // arch.padded_vocab_size(1))
+            * arch.padded_vocab_size(1)
+        )
+        assert head_workspace_bytes(arch, c, "critic") == 0
+
+
+def test_the_planners_chunk_is_the_log_probs_chunk():
+    from megatron_rl.parallel.vocab import CHUNK_ELEMENTS
+
+    assert LOGPROB_CHUNK_ELEMENTS == CHUNK_ELEMENTS

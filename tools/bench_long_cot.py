@@ -1,5 +1,6 @@
 """Benchmark: a long-tailed chain-of-thought batch trained with token-budget micro-batches
-(`use_dynamic_bsz`) vs padded to its longest response, side by side.
+(`use_dynamic_bsz`), packed ones (`model.use_remove_padding`) and padded to its longest
+response, side by side.
 
     python -m tools.bench long_cot [--preset tiny --rows 32 --median 256 --max-length 2048]
 
@@ -8,8 +9,10 @@ Response lengths are lognormal (median `--median`, sigma `--sigma`), clipped to
 sample hits the generation limit. Both arms run `Actor.update` on the same batch with the
 same activation memory per micro-batch: the padded arm `--micro-batch-size` rows at the
 batch's full length (today's split), the token-budget arm micro-batches of at most as many
-padded tokens (`split_micro_batches`). Arms alternate step by step; the result is the ratio
-of their tokens/s (real tokens: prompt + response, no padding) and the padding each computes.
+padded tokens (`split_micro_batches`), the packed arm micro-batches of at most as many packed
+tokens, each its rows back to back. Arms alternate step by step; the result is the ratio of
+their tokens/s (real tokens: prompt + response, no padding) and the tokens each computes over
+the real ones.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def long_cot_batch(vocab_size: int, prompt: int, responses: list[int], seed: int
 
 
 def padded_tokens(micro: list[TrainingBatch]) -> int:
-    return sum(m.input_ids.numel() for m in micro)
+    """Tokens the model runs on: rows x length, or a packed row's length."""
+    return sum(m.model_input_ids.numel() for m in micro)
 
 
 def main(argv=None) -> None:
@@ -83,15 +87,22 @@ def main(argv=None) -> None:
     budget = a.micro_batch_size * batch.seq_length  # the padded arm's tokens per micro-batch
     nmb = a.rows // a.micro_batch_size
     cfg = PolicyLossConfig(nll_coef=0.1)
+
+    def update(pack: bool, **split):
+        actor.use_remove_padding = pack
+        return actor.update(batch, cfg, **split)
+
     arms = {
-        "padded": lambda: actor.update(batch, cfg, num_microbatches=nmb),
-        "token_budget": lambda: actor.update(batch, cfg, max_tokens=budget),
+        "padded": lambda: update(False, num_microbatches=nmb),
+        "token_budget": lambda: update(False, max_tokens=budget),
+        "packed": lambda: update(True, max_tokens=budget),
     }
     median = alternate(arms, a.steps, a.warmup)
     real = int(batch.sequence_lengths().sum())
     splits = {
         "padded": split_micro_batches(batch, nmb)[0],
         "token_budget": split_micro_batches(batch, max_tokens=budget)[0],
+        "packed": split_micro_batches(batch, max_tokens=budget, pack=True)[0],
     }
     result = {
         "preset": a.preset,
@@ -109,6 +120,9 @@ def main(argv=None) -> None:
         result[f"{name}_s"] = round(t, 3)
         result[f"{name}_tokens_per_s"] = round(real / t, 1)
     result["speedup_token_budget_over_padded"] = round(median["padded"] / median["token_budget"], 3)
+    result["speedup_packed_over_padded"] = round(median["padded"] / median["packed"], 3)
+    for name in splits:  # the tokens each arm computes over the real ones (1.0: no padding)
+        result[f"{name}_tokens_over_real"] = round(padded_tokens(splits[name]) / real, 3)
     if ctx.rank == 0:
         record("long_cot", result, a.out)
     distributed.destroy()

@@ -17,6 +17,11 @@ to `tools/plan_memory.py`'s estimate for the same layout.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -31,6 +36,7 @@ from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 from megatron_rl.workers.schedule import run_schedule
 from tools.bench_common import alternate, record
+from tools.bench_peer import PEER_PRECISIONS, peer_step
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
@@ -100,6 +106,9 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
     actor.optimizer.step()
 
 
+ARMS = ("plain_megatron", "ppo_update", "peer_hf")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -113,6 +122,18 @@ def main(argv=None) -> None:
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--peer",
+        choices=[*PEER_PRECISIONS, "none"],
+        help="the plain-PyTorch arm's precision (default: fp32 with --dtype fp32, mixed with "
+        "bf16; none with more than one rank: the peer runs on one device)",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also each arm's peak memory, every arm alone in a process of its own",
+    )
+    p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm alone: --memory
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
 
@@ -123,29 +144,37 @@ def main(argv=None) -> None:
         sequence_parallel=a.sequence_parallel,
     )
     ctx = distributed.initialize(layout, arch=arch)
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    precision = PrecisionConfig(params_dtype=dtype, fp8=a.fp8)
-    actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
+    if a.peer is None:
+        a.peer = "none" if ctx.world_size > 1 else "fp32" if a.dtype == "fp32" else "mixed"
+    if a.peer != "none" and ctx.world_size > 1:
+        raise SystemExit(f"--peer {a.peer} runs on one device; this job has {ctx.world_size}")
+    baseline = resident_bytes()
+    names = [a.arm] if a.arm else [n for n in ARMS if n != "peer_hf" or a.peer != "none"]
     sequences = a.micro_batch_size * a.num_microbatches
     batch = to_device(synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank), ctx.device)
-    loss_cfg = PolicyLossConfig(nll_coef=0.1)
-
-    arms = {
-        "plain_megatron": lambda: plain_step(actor, batch, a.num_microbatches),
-        "ppo_update": lambda: actor.update(batch, loss_cfg, a.num_microbatches),
-    }
+    arms = build_arms(names, arch, layout, a, batch)
     median = alternate(arms, a.steps, a.warmup)
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
+    if a.arm:  # a child of --memory: its peak above what the process held before the models
+        print(json.dumps({"arm": a.arm, "peak_bytes": peak_bytes() - baseline}), flush=True)
+        distributed.destroy()
+        return
     result = {
         "preset": a.preset,
         "params_b": round(param_count(arch) / 1e9, 3),
         "layout": f"TP{a.tp}PP{a.pp}DP{ctx.dp_size}" + ("SP" if a.sequence_parallel else ""),
         "dtype": a.dtype + ("+fp8" if a.fp8 else ""),
+        "peer": a.peer,
         "seq_length": a.seq_length,
+        "micro_batch_size": a.micro_batch_size,
+        "num_microbatches": a.num_microbatches,
         "tokens_per_step": tokens,
         "steps": a.steps,
         "ratio_ppo_over_plain": round(median["ppo_update"] / median["plain_megatron"], 4),
     }
+    if "peer_hf" in median:
+        # tokens/s of ours over the peer's (> 1: ours is faster)
+        result["speed_ppo_over_peer"] = round(median["peer_hf"] / median["ppo_update"], 4)
     flops = model_flops_per_token(arch, a.seq_length) * tokens
     peak = _peak_tflops()
     for name, t in median.items():
@@ -155,9 +184,86 @@ def main(argv=None) -> None:
             result[f"{name}_mfu"] = round(flops / t / (peak * 1e12 * ctx.world_size), 4)
     if torch.cuda.is_available():
         result.update(memory_vs_plan(arch, a, ctx))
+    distributed.destroy()
+    if a.memory:
+        result.update(memory_per_arm(argv, names))
     if ctx.rank == 0:
         record("train_step", result, a.out)
-    distributed.destroy()
+
+
+def build_arms(names, arch, layout, a, batch) -> dict:
+    """The step functions of the arms `names` (the actor built only when an arm needs it)."""
+    arms = {}
+    if {"plain_megatron", "ppo_update"} & set(names):
+        precision = PrecisionConfig(
+            params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
+        )
+        actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
+        loss_cfg = PolicyLossConfig(nll_coef=0.1)
+        if "plain_megatron" in names:
+            arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)
+        if "ppo_update" in names:
+            arms["ppo_update"] = lambda: actor.update(batch, loss_cfg, a.num_microbatches)
+    if "peer_hf" in names:
+        arms["peer_hf"] = peer_step(a.preset, a.peer, batch, a.num_microbatches)
+    return arms
+
+
+def resident_bytes() -> int:
+    """What this process holds now: CUDA memory allocated, else its resident set (VmRSS).
+    Also resets the peak that `peak_bytes` reads (Linux: clear_refs 5 resets VmHWM)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _proc_status_kib("VmRSS") * 1024
+
+
+def peak_bytes() -> int:
+    """The peak since `resident_bytes`: CUDA's max allocated, else the resident set's high
+    water mark (VmHWM)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return _proc_status_kib("VmHWM") * 1024
+
+
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+_TORCHRUN_ENV = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+}  # fmt: skip
+"""What torchrun sets for its workers (with every TORCHELASTIC_* variable): a child of a
+worker that kept them would join that job's rendezvous."""
+
+
+def memory_per_arm(argv, names) -> dict:
+    """Each arm alone in a child process (same arguments, `--arm`): its peak memory above
+    what the process held before it built anything, and ours over the peer's."""
+    out = {}
+    for name in names:
+        child = [sys.executable, "-m", "tools.bench_train_step", *(argv or sys.argv[1:])]
+        child = [x for x in child if x != "--memory"] + ["--arm", name, "--out", ""]
+        # a process of its own, not a rank of this job (whose rendezvous port is taken)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")
+        }
+        done = subprocess.run(child, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise RuntimeError(f"arm {name} alone failed:\n{done.stderr[-3000:]}")
+        lines = done.stdout
+        row = json.loads(lines.strip().splitlines()[-1])
+        out[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 3)
+    if "peer_hf" in names:
+        out["memory_ppo_over_peer"] = round(out["ppo_update_peak_gib"] / out["peer_hf_peak_gib"], 4)
+    return out
 
 
 def memory_vs_plan(arch: ModelArchitecture, a, ctx) -> dict:

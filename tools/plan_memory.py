@@ -95,7 +95,6 @@ def recipe_settings(path: str) -> dict:
         recompute_granularity=c.model.recompute.granularity,
         fp8=c.model.precision.fp8 is not None,
         params_dtype="bf16" if c.model.precision.bf16 else "fp32",
-        entropy_loss=c.actor.loss.entropy_coef > 0,
         critic=c.use_critic,
         reference=c.use_reference,
         vllm_gpu_memory_utilization=c.rollout.gpu_memory_utilization,

@@ -54,6 +54,11 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     """How a mixture-of-experts policy routes and dispatches (megatron-core's `moe_*` names);
     the experts themselves come from the checkpoint's config."""
+    use_remove_padding: bool = False
+    """Pack each micro-batch of the actor, reference and critic: its rows back to back with
+    no padding, each attending only within itself (verl's name; `data/packing.py`). With
+    use_dynamic_bsz the token budget then counts packed tokens. Same losses as unpadded;
+    dense models only."""
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,11 @@ def check_layout(config: TrainConfig, world_size: int) -> int:
             f"config section model.moe is set but model.path {config.model.path} is dense "
             f"(model_type={arch.model_type}, no experts)"
         )
+    if arch.is_moe and config.model.use_remove_padding:
+        raise ConfigError(
+            f"model.use_remove_padding=true with a mixture of experts (model_type="
+            f"{arch.model_type}): packed micro-batches are built for dense models only"
+        )
     replay = config.actor.router_replay
     if replay.needs_routes and not arch.is_moe:
         raise ConfigError(

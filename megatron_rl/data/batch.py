@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_rl.data.packing import Packing, pack_rows, packed_partition
+
 
 @dataclass(frozen=True)
 class TrainingBatch:
@@ -44,13 +46,16 @@ class TrainingBatch:
     replay, `models/router_replay.py`). Tokens that were never run (each row's last, and
     padding) hold the placeholder experts 0..k-1: distinct, as a route must be, and what
     they compute feeds no loss term."""
+    packing: Packing | None = None
+    """A micro-batch run packed (`data/packing.py`): where its rows lie in the one row the
+    model reads; its per-token fields stay [B, S]."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got {tuple(self.input_ids.shape)}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name in ("input_ids", "scores"):
+            if value is None or f.name in ("input_ids", "scores", "packing"):
                 continue
             if f.name == "routed_experts":
                 if value.dim() != 4 or value.shape[:2] != self.input_ids.shape:
@@ -81,14 +86,29 @@ class TrainingBatch:
     def to(self, device: torch.device | str) -> TrainingBatch:
         """Every tensor on `device` (the batch itself when they already are)."""
         device = torch.device(device)
-        present = {f.name: getattr(self, f.name) for f in fields(self)}
+        present = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "packing"}
         present = {k: v for k, v in present.items() if v is not None}
-        if all(v.device == device for v in present.values()):
+        if all(v.device == device for v in present.values()) and self.packing is None:
             return self
-        return replace(self, **{k: v.to(device) for k, v in present.items()})
+        moved = {k: v.to(device) for k, v in present.items()}
+        if self.packing is not None:
+            moved["packing"] = self.packing.to(device)
+        return replace(self, **moved)
+
+    def packed(self, multiple: int = 1) -> TrainingBatch:
+        """This micro-batch to be run packed: its rows, each up to its length
+        (`sequence_lengths`), back to back in one row of a multiple of `multiple` tokens."""
+        return replace(self, packing=pack_rows(self.input_ids, self.sequence_lengths(), multiple))
+
+    @property
+    def model_input_ids(self) -> torch.Tensor:
+        """What the model reads: [B, S] token ids, or [1, T] packed."""
+        return self.input_ids if self.packing is None else self.packing.input_ids
 
     def rows(self, index: slice | torch.Tensor) -> TrainingBatch:
         """The same fields restricted to sequences `index`."""
+        if self.packing is not None:
+            raise ValueError("a packed micro-batch is not split again")
         if isinstance(index, torch.Tensor):
             index = index.to(self.input_ids.device)
         return replace(
@@ -96,7 +116,7 @@ class TrainingBatch:
             **{
                 f.name: getattr(self, f.name)[index]
                 for f in fields(self)
-                if getattr(self, f.name) is not None
+                if getattr(self, f.name) is not None and f.name != "packing"
             },
         )
 
@@ -110,10 +130,12 @@ class TrainingBatch:
         extra = length - self.seq_length
         if extra == 0:
             return self
+        if self.packing is not None:
+            raise ValueError("a packed micro-batch keeps its length")
         updates = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None or f.name == "scores":
+            if value is None or f.name in ("scores", "packing"):
                 continue
             if extra < 0:
                 updates[f.name] = value[:, :length]
@@ -237,6 +259,7 @@ def split_micro_batches(
     multiple: int = 1,
     count_multiple: int = 1,
     agree: Callable[[int], int] | None = None,
+    pack: bool = False,
 ) -> tuple[list[TrainingBatch], torch.Tensor | None]:
     """(micro-batches, row order). Without `max_tokens`: `num_microbatches` equal slices
     padded to one length, a multiple of `multiple`; order None (the rows stay in place).
@@ -244,8 +267,16 @@ def split_micro_batches(
     (`to_count_multiple`), each cut to its own padded length; order [B] is the batch row of
     each row of the concatenated micro-batches. `agree(count) -> count`: the number every
     rank must run when they must run the same (expert parallelism: each micro-batch's MoE
-    layers exchange tokens with the other data-parallel ranks), the largest split to it."""
+    layers exchange tokens with the other data-parallel ranks), the largest split to it.
+    `pack`: each micro-batch runs packed (`TrainingBatch.packed`), its rows cut to their
+    longest; a token budget then counts packed tokens (`packed_partition`), not padded ones."""
     if max_tokens is None:
+        if pack:
+            micro = [
+                mb.with_length(int(mb.sequence_lengths().max())).packed(multiple)
+                for mb in batch.split(num_microbatches)
+            ]
+            return micro, None
         return batch.padded_to_multiple(multiple).split(num_microbatches), None
     if num_microbatches != 1:
         raise ValueError(
@@ -253,16 +284,20 @@ def split_micro_batches(
             "token budget decides the number of micro-batches"
         )
     lengths = batch.sequence_lengths().tolist()
-    parts = to_count_multiple(token_budget_partition(lengths, max_tokens, multiple), count_multiple)
+    partition = packed_partition if pack else token_budget_partition
+    parts = to_count_multiple(partition(lengths, max_tokens, multiple), count_multiple)
     if agree is not None:
         parts = to_count(parts, agree(len(parts)), "as many as another data-parallel rank")
     device = batch.input_ids.device
-    micro = [
-        batch.rows(torch.tensor(rows, device=device)).with_length(
-            round_up(lengths[rows[0]], multiple)
+    micro = []
+    for rows in parts:
+        longest = max(lengths[i] for i in rows)
+        mb = batch.rows(torch.tensor(rows, device=device))
+        micro.append(
+            mb.with_length(longest).packed(multiple)
+            if pack
+            else mb.with_length(round_up(longest, multiple))
         )
-        for rows in parts
-    ]
     return micro, torch.tensor([i for rows in parts for i in rows], device=device)
 
 

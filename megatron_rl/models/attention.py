@@ -26,10 +26,11 @@ class SDPAttention(torch.nn.Module):
 
     Takes what megatron-core's `DotProductAttention` takes and returns what it returns:
     query [sq, b, np, hn], key and value [sk, b, ng, hn] (np query heads and ng key/value
-    groups on this tensor-parallel rank) -> context [sq, b, np * hn]. Anything that module
-    would do and this one does not (an explicit attention mask, attention bias, packed
-    sequences, sliding windows, query-key layer scaling, a softmax offset, context
-    parallelism) is refused by name.
+    groups on this tensor-parallel rank) -> context [sq, b, np * hn]; packed sequences in
+    megatron's `thd` layout too (`_packed`), which that module cannot run. Anything else it
+    would do and this one does not (an explicit attention mask, attention bias, sliding
+    windows, query-key layer scaling, a softmax offset, context parallelism) is refused by
+    name.
     """
 
     def __init__(
@@ -76,24 +77,56 @@ class SDPAttention(torch.nn.Module):
             for name, arg in (
                 ("attention_mask", attention_mask),
                 ("attention_bias", attention_bias),
-                ("packed_seq_params", packed_seq_params),
             )
             if arg is not None
         ]
         if given:
-            raise ValueError(f"SDPAttention is causal over whole rows; refused: {', '.join(given)}")
+            raise ValueError(f"SDPAttention is causal within each sequence; refused: {given}")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, head_dim = query.shape
         # [s, b, n, d] -> [b, n, s, d], the layout the kernels take (strided views: the
         # kernels copy what they need, no extra [s, s] anything)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        context = F.scaled_dot_product_attention(
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return self._attend(q, k, v).permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    def _attend(self, q, k, v) -> torch.Tensor:
+        """[b, n, s, d] queries, [b, g, s, d] keys and values -> [b, n, s, d]."""
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
             is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != heads,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """megatron's `thd` layout (packed sequences, `data/packing.py`): query [t, np, hn],
+        key and value [t, ng, hn], segments at `cu_seqlens` -> [t, np * hn], each segment
+        attending causally within itself only. One kernel call a segment (no varlen kernel
+        in PyTorch's CPU build): the cost is that of the segments, sum(l_i^2), never t^2."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: expected thd")
+        extra = [
+            name
+            for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+            if getattr(params, name) is not None
+        ]
+        if extra or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError(
+                "SDPAttention packs self-attention with one set of segments: cu_seqlens_q == "
+                f"cu_seqlens_kv and no padded ones (got {extra or 'different q/kv segments'})"
+            )
+        bounds = params.cu_seqlens_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} tokens")
+        t, heads, head_dim = query.shape
+        pieces = []
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            # [l, n, d] -> [1, n, l, d]
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            pieces.append(self._attend(q, k, v)[0].transpose(0, 1))
+        return torch.cat(pieces).reshape(t, heads * head_dim)

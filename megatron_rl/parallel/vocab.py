@@ -143,7 +143,12 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             entropy[start:end] = lse[start:end] - t / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
-        ctx.vocab_size, ctx.temperature, ctx.chunk, ctx.first = vocab_size, temperature, chunk, first
+        ctx.vocab_size, ctx.temperature, ctx.chunk, ctx.first = (
+            vocab_size,
+            temperature,
+            chunk,
+            first,
+        )
         return target - lse, entropy
 
     @staticmethod

@@ -168,6 +168,7 @@ class RLTrainer:
             temperature=temperature,
             moe=c.model.moe,
             router_replay=c.actor.router_replay,
+            use_remove_padding=c.model.use_remove_padding,
         )
         self.reference = (
             ReferencePolicy(
@@ -177,6 +178,7 @@ class RLTrainer:
                 precision=precision,
                 temperature=temperature,
                 moe=c.model.moe,
+                use_remove_padding=c.model.use_remove_padding,
             )
             if c.use_reference
             else None
@@ -193,6 +195,7 @@ class RLTrainer:
                 optim=scheduled_optim(c, "critic"),
                 recompute=recompute,
                 moe=c.model.moe,
+                use_remove_padding=c.model.use_remove_padding,
             )
         r = c.rollout
         if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:

@@ -19,8 +19,11 @@ from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import TrainableRole
 
 
-def token_values(head_output: torch.Tensor) -> torch.Tensor:
-    """Value-head output [B, S, 1] -> V of the state before each token, [B, S] aligned."""
+def token_values(head_output: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
+    """Value-head output [B, S, 1] ([1, T, 1] packed) -> V of the state before each token of
+    `mb`, [B, S] aligned."""
+    if mb.packing is not None:
+        return mb.packing.to_tokens(head_output[..., 0].float())
     return shift_to_tokens(head_output[:, :-1, 0].float())
 
 
@@ -35,6 +38,7 @@ class Critic(TrainableRole):
         optim: OptimConfig | None = None,
         recompute: RecomputeConfig | None = None,
         moe: MoEConfig | None = None,
+        use_remove_padding: bool = False,
     ):
         """`model_path`: a critic checkpoint, a reward model (its score head is the value
         head) or the policy (the value head starts from a small random init); HF or Megatron,
@@ -48,6 +52,7 @@ class Critic(TrainableRole):
             chunks=chunks,
             precision=precision,
             optim=optim or OptimConfig(lr=2e-6),
+            use_remove_padding=use_remove_padding,
         )
 
     def compute_values(
@@ -55,12 +60,12 @@ class Critic(TrainableRole):
     ) -> torch.Tensor:
         """V [B, S] (aligned to tokens) on every PP rank."""
         return self.forward_collect(
-            batch, num_microbatches, lambda mb, out: token_values(out), max_tokens
+            batch, num_microbatches, lambda mb, out: token_values(out, mb), max_tokens
         )
 
     def loss(self, cfg: ValueLossConfig, counts, mb: TrainingBatch, head_output):
         tokens, seqs, _ = counts
-        values = token_values(head_output)
+        values = token_values(head_output, mb)
         old = mb.old_values if mb.old_values is not None else values.detach()
         loss, metrics = clipped_value_loss(
             values,

@@ -40,15 +40,22 @@ from megatron_rl.workers.roles import MegatronRole, TrainableRole
 def token_logprobs_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    input_ids: torch.Tensor,
+    mb: TrainingBatch,
     vocab_size: int,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Final hidden states [B, S, h] and the vocab-sharded projection [V/tp, h] -> the
-    log-probs [B, S] of each token given its prefix and the entropy of the distribution it
-    was drawn from, aligned to tokens, under softmax(logits / temperature); the logits are
-    made chunk by chunk and never whole (`parallel.vocab.chunked_logprobs_entropy`)."""
-    labels = torch.roll(input_ids, -1, dims=1)  # the last column's label is never read
+    """The last stage's hidden states ([B, S, h], or [1, T, h] packed) and the vocab-sharded
+    projection [V/tp, h] -> the log-probs [B, S] of each token of `mb` given its prefix and
+    the entropy of the distribution it was drawn from, aligned to tokens, under
+    softmax(logits / temperature); the logits are made chunk by chunk and never whole
+    (`parallel.vocab.chunked_logprobs_entropy`)."""
+    if mb.packing is not None:
+        labels = mb.packing.next_tokens()
+        logprobs, entropy = chunked_logprobs_entropy(
+            hidden, weight, labels, vocab_size, temperature
+        )
+        return mb.packing.to_tokens(logprobs), mb.packing.to_tokens(entropy)
+    labels = torch.roll(mb.input_ids, -1, dims=1)  # the last column's label is never read
     logprobs, entropy = chunked_logprobs_entropy(hidden, weight, labels, vocab_size, temperature)
     return shift_to_tokens(logprobs[:, :-1]), shift_to_tokens(entropy[:, :-1])
 
@@ -83,9 +90,10 @@ class _LogProbs:
         vocab, t = self.arch.vocab_size, self.temperature
         record = self.router_replay.log_mismatch and batch.routed_experts is not None
         hooks = RouteReplay(self.chunks, record=True) if record else self.schedule_hooks(batch)
+
         def collect(mb, hidden):  # the last pipeline stage's
             weight = output_weight(self.chunks)
-            return token_logprobs_entropy(hidden, weight, mb.input_ids, vocab, t)[0]
+            return token_logprobs_entropy(hidden, weight, mb, vocab, t)[0]
 
         out = self.forward_collect(batch, num_microbatches, collect, max_tokens, hooks)
         self.routing_metrics = hooks.mismatch_metrics(self.arch.num_layers) if record else {}
@@ -118,11 +126,18 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         precision: PrecisionConfig | None = None,
         temperature: float = 1.0,
         moe: MoEConfig | None = None,
+        use_remove_padding: bool = False,
     ):
         chunks = _policy_chunks(arch, layout, model_path, precision, moe=moe)
         for chunk in chunks:
             chunk.requires_grad_(False)
-        super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision)
+        super().__init__(
+            arch=arch,
+            layout=layout,
+            chunks=chunks,
+            precision=precision,
+            use_remove_padding=use_remove_padding,
+        )
         self.temperature = temperature
 
 
@@ -141,6 +156,7 @@ class Actor(_LogProbs, TrainableRole):
         temperature: float = 1.0,
         moe: MoEConfig | None = None,
         router_replay: RouterReplayConfig | None = None,
+        use_remove_padding: bool = False,
     ):
         self.router_replay = router_replay or RouterReplayConfig()
         if self.router_replay.needs_routes:
@@ -148,14 +164,21 @@ class Actor(_LogProbs, TrainableRole):
                 raise ValueError("actor.router_replay needs a mixture-of-experts model")
             moe = dataclasses.replace(moe or MoEConfig(), routing_replay=True)
         chunks = _policy_chunks(arch, layout, model_path, precision, recompute, moe)
-        super().__init__(arch=arch, layout=layout, chunks=chunks, precision=precision, optim=optim)
+        super().__init__(
+            arch=arch,
+            layout=layout,
+            chunks=chunks,
+            precision=precision,
+            optim=optim,
+            use_remove_padding=use_remove_padding,
+        )
         self.temperature = temperature
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, hidden):
         tokens, seqs, positive = counts
         mask = mb.response_mask
         logprobs, entropy = token_logprobs_entropy(
-            hidden, output_weight(self.chunks), mb.input_ids, self.arch.vocab_size, self.temperature
+            hidden, output_weight(self.chunks), mb, self.arch.vocab_size, self.temperature
         )
         advantages = mb.advantages
         if mb.rollout_is_weights is not None:

@@ -51,7 +51,16 @@ class MegatronRole:
         layout: ParallelLayout,
         chunks: list,
         precision: PrecisionConfig | None = None,
+        use_remove_padding: bool = False,
     ):
+        if use_remove_padding and arch.is_moe:
+            raise ValueError(
+                "model.use_remove_padding (packed micro-batches) is not supported for "
+                "mixture-of-experts models yet: set it to false"
+            )
+        self.use_remove_padding = use_remove_padding
+        """Micro-batches run packed, their rows back to back with no padding
+        (`data/packing.py`; verl's name)."""
         self.arch, self.layout, self._chunks = arch, layout, chunks
         self._params_away = ParamOffload()
         self.seq_multiple = sequence_multiple(layout, precision)
@@ -95,7 +104,13 @@ class MegatronRole:
         # would leave the others waiting in an all-to-all. All run the largest count.
         agree = _max_over_data_parallel if self.layout.expert_model_parallel_size > 1 else None
         return split_micro_batches(
-            batch, num_microbatches, max_tokens, self.seq_multiple, self.count_multiple, agree
+            batch,
+            num_microbatches,
+            max_tokens,
+            self.seq_multiple,
+            self.count_multiple,
+            agree,
+            pack=self.use_remove_padding,
         )
 
     @torch.no_grad()
@@ -146,10 +161,17 @@ class TrainableRole(MegatronRole):
         chunks: list,
         precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
+        use_remove_padding: bool = False,
     ):
         self.optim = optim or OptimConfig()
         wrapped, self.optimizer, self.scheduler = wrap_ddp_and_optimizer(chunks, self.optim)
-        super().__init__(arch=arch, layout=layout, chunks=wrapped, precision=precision)
+        super().__init__(
+            arch=arch,
+            layout=layout,
+            chunks=wrapped,
+            precision=precision,
+            use_remove_padding=use_remove_padding,
+        )
         self.offloaded: set[str] = set()
         self.update_snapshot = UpdateSnapshot()
         """Where the step's updates can be rewound to (`snapshot_updates`)."""

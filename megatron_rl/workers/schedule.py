@@ -34,7 +34,9 @@ def run_schedule(
     Training: `loss_fn(mb, output) -> (loss, metrics)`, returns the metrics of each
     micro-batch (last stage only). Collecting (`collect_outputs=True`, forward only):
     `loss_fn(mb, output) -> tensor`, returns those tensors (last stage only).
-    `output` is the last stage's model output: logits [b, s, V/tp] or values [b, s, 1].
+    `output` is the last stage's model output: hidden states [b, s, h] (the policy, see
+    `models/lm_head.py`), logits [b, s, V/tp] or values [b, s, 1]; [1, T, ...] for a packed
+    micro-batch (`data/packing.py`), whose rows the model reads back to back.
     `hooks`: `before_forward(mb, model)` / `after_forward(mb, model)` around each chunk's
     forward, `finish()` after the schedule (routing replay, `models/router_replay.py`).
     """
@@ -53,7 +55,12 @@ def run_schedule(
         kwargs = {"padding_mask": _moe_padding_mask(mb, model)} if router_losses else {}
         if hooks is not None:
             hooks.before_forward(mb, model)
-        output = model(mb.input_ids, mb.position_ids, None, **kwargs)
+        if mb.packing is not None:
+            p = mb.packing
+            kwargs["packed_seq_params"] = p.packed_seq_params()
+            output = model(p.input_ids, p.position_ids, None, **kwargs)
+        else:
+            output = model(mb.input_ids, mb.position_ids, None, **kwargs)
         if hooks is not None:
             hooks.after_forward(mb, model)
 
@@ -63,8 +70,10 @@ def run_schedule(
         return output, loss_func
 
     # Every stage of a PP group splits the same batch the same way, so they agree on this.
-    shapes = {tuple(mb.input_ids.shape) for mb in micro_batches}
+    shapes = {tuple(mb.model_input_ids.shape) for mb in micro_batches}
     config.variable_seq_lengths = len(shapes) > 1
+    if router_losses and any(mb.packing is not None for mb in micro_batches):
+        raise ValueError("packed micro-batches with MoE router losses are not supported")
     iterators = [iter(micro_batches) for _ in chunks]
     try:
         return get_forward_backward_func()(
@@ -72,8 +81,8 @@ def run_schedule(
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks,
             num_microbatches=len(micro_batches),
-            seq_length=micro_batches[0].seq_length,
-            micro_batch_size=len(micro_batches[0]),
+            seq_length=micro_batches[0].model_input_ids.shape[1],
+            micro_batch_size=micro_batches[0].model_input_ids.shape[0],
             forward_only=forward_only,
             collect_non_loss_data=collect_outputs,
         )

@@ -1,6 +1,7 @@
 """Distributed tier: the fused core attention of the local spec (`models/attention.py`) equals
 megatron-core's unfused `DotProductAttention` in logits and every parameter's gradient, with
-grouped-query attention, at TP2 with sequence parallelism, PP2 and DP2 (2 ranks each)."""
+grouped-query attention, at TP2 with sequence parallelism, PP2 and DP2 (2 ranks each); so do
+packed micro-batches (rows of different lengths back to back, megatron's thd layout)."""
 
 import pytest
 import torch
@@ -25,16 +26,17 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("rank", [0, 1])
-def test_sdpa_equals_unfused_attention(results, layout, rank):
+@pytest.mark.parametrize("arm", ["sdpa", "sdpa_packed"])
+def test_sdpa_and_packed_equal_unfused_attention(results, layout, rank, arm):
     r = results[layout, rank]
     logits, grads = r["logits"], r["grads"]
-    assert len(logits["sdpa"]) == len(logits["unfused"])
-    for fused, reference in zip(logits["sdpa"], logits["unfused"], strict=True):
+    assert len(logits[arm]) == len(logits["unfused"])
+    for fused, reference in zip(logits[arm], logits["unfused"], strict=True):
         assert reference.abs().max() > 0.1  # not a degenerate comparison
-        assert_close(fused, reference, FP32_MODEL, f"{layout} rank {rank} logits")
-    assert sorted(grads["sdpa"]) == sorted(grads["unfused"])
+        assert_close(fused, reference, FP32_MODEL, f"{layout} rank {rank} {arm} logits")
+    assert sorted(grads[arm]) == sorted(grads["unfused"])
     for name, reference in grads["unfused"].items():
-        assert_close(grads["sdpa"][name], reference, FP32_MODEL, f"{layout} rank {rank} {name}")
+        assert_close(grads[arm][name], reference, FP32_MODEL, f"{layout} {rank} {arm} {name}")
     qkv = [n for n in grads["unfused"] if "linear_qkv.weight" in n]
     assert qkv and all(grads["unfused"][n].abs().max() > 0 for n in qkv)
 

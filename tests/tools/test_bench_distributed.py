@@ -34,6 +34,26 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
     assert result["layout"] == "TP2PP1DP1" and result["tokens_per_step"] == 4 * 32
     for key in ("ratio_ppo_over_plain", "plain_megatron_tokens_per_s", "ppo_update_tokens_per_s"):
         assert result[key] > 0
+    assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
+
+
+def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path):
+    """One process: the transformers + SDPA + fused AdamW arm beside ours, and each arm's
+    peak memory measured alone in a child process."""
+    out = tmp_path / "results.jsonl"
+    args = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--seq-length", "32"]
+    run_torchrun("tools.bench_train_step", [*args, "--memory", "--out", str(out)], nproc=1)
+    (line,) = out.read_text().splitlines()
+    result = json.loads(line)
+    assert result["peer"] == "fp32" and result["layout"] == "TP1PP1DP1"
+    for arm in ("plain_megatron", "ppo_update", "peer_hf"):
+        assert result[f"{arm}_tokens_per_s"] > 0 and result[f"{arm}_peak_gib"] > 0
+    assert result["speed_ppo_over_peer"] == pytest.approx(
+        result["peer_hf_s"] / result["ppo_update_s"], rel=0.01
+    )
+    assert result["memory_ppo_over_peer"] == pytest.approx(
+        result["ppo_update_peak_gib"] / result["peer_hf_peak_gib"], rel=0.01
+    )
 
 
 def test_bench_long_cot_writes_one_result_line(tmp_path):
@@ -57,6 +77,9 @@ def test_bench_long_cot_writes_one_result_line(tmp_path):
     assert result["token_budget_micro_batches"] < 4
     assert result["real_tokens"] <= result["token_budget_padded_tokens"] < 8 * 104
     assert result["speedup_token_budget_over_padded"] > 0
+    # packed: exactly the real tokens, no padding at all
+    assert result["packed_padded_tokens"] == result["real_tokens"]
+    assert result["packed_tokens_over_real"] == 1.0 and result["speedup_packed_over_padded"] > 0
 
 
 @pytest.mark.e2e  # ~50 s of Ray start-up and scoring: the journeys' tier

@@ -1,6 +1,7 @@
 """torchrun worker: the Actor and Critic under several parallel layouts on one global batch.
 
-For each layout in --layouts (run one after another in this job), saves per rank:
+For each layout in --layouts (run one after another in this job; "-pack": packed
+micro-batches), saves per rank:
 actor gradients (HF names, full tensors) for two loss settings, critic gradients, this DP
 rank's log-probs and values, and the rows they belong to -> --out-dir/{layout}.rank{r}.pt.
 """
@@ -44,6 +45,11 @@ LAYOUTS = {
         ),
         {"max_tokens": TOKEN_BUDGET},
     ),
+    # packed micro-batches (model.use_remove_padding): rows back to back, no padding
+    "dp1-pack": (distributed.ParallelLayout(), {"num_microbatches": 2}),
+    "tp2-pack": (distributed.ParallelLayout(tensor_model_parallel_size=2), {"num_microbatches": 2}),
+    "tp2-sp-pack-tok": (SP, {"max_tokens": TOKEN_BUDGET}),
+    "pp2-pack-tok": (PP, {"max_tokens": TOKEN_BUDGET}),
     # the rows re-dealt over the DP ranks by token count first (trainer.balance_batch)
     "dp2-bal": (distributed.ParallelLayout(), {"max_tokens": TOKEN_BUDGET}),
     # mixtures of experts: experts split over two ranks (tokens dispatched between them)
@@ -110,13 +116,14 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
         local, result["balance"] = balance_over_data_parallel(local)
         result["input_ids"] = local.input_ids
 
-    actor = Actor(arch=arch, layout=layout, model_path=hf_dir)
+    pack = "-pack" in name
+    actor = Actor(arch=arch, layout=layout, model_path=hf_dir, use_remove_padding=pack)
     for loss_name, cfg in LOSSES.items():
         result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
     result["logprobs"] = actor.compute_logprobs(local, **split)
 
-    critic = Critic(arch=arch, layout=layout, model_path=hf_dir)
+    critic = Critic(arch=arch, layout=layout, model_path=hf_dir, use_remove_padding=pack)
     result["values"] = critic.compute_values(local, **split)
     result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))

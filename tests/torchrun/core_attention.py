@@ -1,10 +1,11 @@
 """torchrun worker (2 ranks): the local spec's fused core attention (`SDPAttention`) gives the
 unfused reference's (`DotProductAttention`) logits and gradients, with the same weights, at
-TP2 with sequence parallelism, PP2 (1F1B over two micro-batches) and TP1 over DP2; the tiny
-preset has grouped-query attention (4 query heads, 2 key/value groups; 2 and 1 a TP rank).
+TP2 with sequence parallelism, PP2 (1F1B over two micro-batches) and TP1 over DP2; so do its
+packed micro-batches (rows back to back, each attending within itself). The tiny preset has
+grouped-query attention (4 query heads, 2 key/value groups; 2 and 1 a TP rank).
 
-Each rank writes {layout}_{rank}.pt: {"logits": {attention: [b, s, V/tp] per micro-batch,
-last stage only}, "grads": {attention: {name: grad}}}.
+Each rank writes {layout}_{rank}.pt: {"logits": {arm: [real tokens, V/tp] per micro-batch,
+last stage only}, "grads": {arm: {name: grad}}}, arms unfused, sdpa and sdpa_packed.
 """
 
 import argparse
@@ -27,21 +28,45 @@ LAYOUTS = {
 }
 
 
-def logits_and_grads(chunks, tokens):
-    """Two micro-batches through megatron's schedule, a loss reading every logit."""
+LENGTHS = (96, 50, 73, 21)
+"""Row lengths of the packed case (the rest of each row is padding)."""
+
+
+def logits_and_grads(chunks, tokens, packed: bool = False, multiple: int = 1):
+    """Two micro-batches through megatron's schedule, a loss reading every real token's
+    logits; the logits of the real tokens, rows one after another, and every gradient.
+    `packed`: each micro-batch's rows of `LENGTHS` back to back (`data/packing.py`)."""
+    lengths = torch.tensor(LENGTHS, device=tokens.device)
+    real = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
     micro = [
-        TrainingBatch(input_ids=t, response_mask=torch.ones_like(t)) for t in tokens.split(2)
+        TrainingBatch(input_ids=t, response_mask=m.float())
+        for t, m in zip(tokens.split(2), real.split(2), strict=True)
     ]
+    if packed:
+        micro = [mb.with_length(int(mb.sequence_lengths().max())).packed(multiple) for mb in micro]
     seen = []
 
     def loss_fn(mb, logits):
+        if mb.packing is not None:
+            logits = logits[0, : int(mb.sequence_lengths().sum())]
+        else:
+            logits = logits[mb.response_mask.bool()]
         seen.append(logits.detach().clone())
-        loss = logits.float().logsumexp(-1).mean()
+        loss = logits.float().logsumexp(-1).sum() / 100
         return loss, {"loss": loss.detach().clone()}
 
     for chunk in chunks:
         chunk.zero_grad()
     run_schedule(chunks, micro, loss_fn, forward_only=False)
+    # sequence-parallel norms: each rank's gradient covers its slice of the sequence (which
+    # packing moves); summed over TP, as megatron's DDP does before a step
+    from megatron.core import parallel_state
+
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if getattr(p, "sequence_parallel", False):
+                group = parallel_state.get_tensor_model_parallel_group()
+                torch.distributed.all_reduce(p.grad, group=group)
     grads = {
         f"{i}.{name}": p.grad.clone()
         for i, chunk in enumerate(chunks)
@@ -67,6 +92,10 @@ def main():
         out = {"logits": {}, "grads": {}}
         for attention, chunks in (("unfused", reference), ("sdpa", fused)):
             out["logits"][attention], out["grads"][attention] = logits_and_grads(chunks, tokens)
+        multiple = 2 if layout.sequence_parallel else 1
+        out["logits"]["sdpa_packed"], out["grads"]["sdpa_packed"] = logits_and_grads(
+            fused, tokens, packed=True, multiple=multiple
+        )
         torch.save(out, Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
         from megatron.core import parallel_state
 

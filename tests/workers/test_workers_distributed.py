@@ -1,8 +1,9 @@
 """Distributed tier: Actor / Critic / ReferencePolicy under torchrun (gloo, fp32).
 
 The same global batch of variable-length responses must give the same gradients whatever
-the split: micro-batches, DP ranks, TP, TP with sequence parallelism, PP, and micro-batches
-chosen by a token budget (uneven sizes and lengths; "-tok").
+the split: micro-batches, DP ranks, TP, TP with sequence parallelism, PP, micro-batches
+chosen by a token budget (uneven sizes and lengths; "-tok"), and packed micro-batches (rows
+back to back, no padding; "-pack").
 """
 
 import pytest
@@ -26,6 +27,10 @@ LAYOUTS = [
     "tp2-sp-tok",
     "pp2-tok",
     "vpp2-tok",
+    "dp1-pack",
+    "tp2-pack",
+    "tp2-sp-pack-tok",
+    "pp2-pack-tok",
 ]
 
 
@@ -51,8 +56,13 @@ def merge(out_dir, name):
 def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("workers")
     args = ["--hf-dir", str(tiny_model_dir), "--out-dir", str(out), "--layouts"]
-    run_torchrun("tests.torchrun.actor_critic", [*args, "dp1-mb1,dp1-mb4,dp1-tok"], nproc=1)
-    two = "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,vpp2-tok,dp2-bal"
+    run_torchrun(
+        "tests.torchrun.actor_critic", [*args, "dp1-mb1,dp1-mb4,dp1-tok,dp1-pack"], nproc=1
+    )
+    two = (
+        "dp2-mb2,tp2,tp2-sp,pp2,dp2-tok,tp2-sp-tok,pp2-tok,vpp2-tok,dp2-bal,tp2-pack,"
+        "tp2-sp-pack-tok,pp2-pack-tok"
+    )
     run_torchrun("tests.torchrun.actor_critic", [*args, two], nproc=2)
     merged = {name: merge(out, name) for name in ["dp1-mb1", *LAYOUTS, "dp2-bal"]}
     merged["dp2-bal"]["ranks"] = [
@@ -123,7 +133,8 @@ def test_logprobs_and_values_do_not_depend_on_the_layout(results, layout, tiny_m
     from tests.torchrun.actor_critic import global_batch
 
     reference = {k: results["dp1-mb1"][k] for k in ("logprobs", "values")}
-    if layout.endswith("-tok"):  # each micro-batch stops at its rows' last response token
+    if layout.endswith("-tok") or "-pack" in layout:
+        # each micro-batch (packed: each row) stops at its rows' last response token
         batch = global_batch(read_hf_config(tiny_model_dir).vocab_size)
         seen = torch.arange(batch.seq_length) < batch.sequence_lengths()[:, None]
         assert not seen.all()  # some rows were cut, so the comparison below means something
@@ -249,7 +260,8 @@ def test_moe_gradients_at_ep2_equal_those_at_ep1(moe_results, layout):
     reference = moe_results["dp1-mb1"]["critic_grads"]
     assert relative_max_diff(reference, moe_results[layout]["critic_grads"]) <= 1e-5
     reference = moe_results["dp1-mb1"]["logprobs"]
-    if layout.endswith("-tok"):  # each micro-batch stops at its rows' last response token
+    if layout.endswith("-tok") or "-pack" in layout:
+        # each micro-batch (packed: each row) stops at its rows' last response token
         reference = torch.where(moe_results[layout]["logprobs"] == 0, 0.0, reference)
     assert_close(moe_results[layout]["logprobs"], reference, FP32_MODEL)
 
