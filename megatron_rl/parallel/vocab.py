@@ -113,91 +113,106 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
     Both are local to this rank's vocabulary slice once lse is the global one, so backward
     needs no collective: the hidden states' gradient is this slice's partial sum, reduced
     over TP by whatever made `hidden` (`models/lm_head.py`), as megatron's output layer does.
+    Vocabulary padding (megatron pads to a multiple of 128 x TP) is left out of the product,
+    so it takes no probability mass and gets no gradient. Each chunk is a few fused passes
+    over its logits (log-sum-exp, then log p and p in place and a row dot for -sum p log p;
+    in backward the same two and one multiply-add and one multiply, in place): elementwise
+    passes, not the GEMMs, are what such a head costs.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, vocab_size, temperature, chunk):
         rank, tp_size, group = _tp()
-        local = weight.shape[0]
-        first = rank * local
+        ctx.full_rows = weight.shape[0]
+        first = rank * weight.shape[0]
+        weight = weight[: max(0, min(weight.shape[0], vocab_size - first))]  # real rows only
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(lse)
         target = torch.empty_like(lse)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _chunk_logits(hidden[start:end], weight, vocab_size, temperature, first)
-            m = logits.amax(dim=-1)
-            if tp_size > 1:
-                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-            e = torch.exp(logits - m[:, None])
-            local_label = labels[start:end] - first
-            here = (local_label >= 0) & (local_label < local)
-            picked = logits.gather(1, local_label.clamp(0, local - 1)[:, None]).squeeze(1)
-            sums = torch.stack([e.sum(-1), (e * logits).sum(-1), torch.where(here, picked, 0.0)])
-            if tp_size > 1:
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            local_lse, picked = _local_lse_and_label_logit(logits, labels[start:end] - first)
+            if tp_size > 1:  # the whole vocabulary's log-sum-exp from each slice's
+                top = local_lse.clone()
+                torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+                sums = torch.stack([torch.exp(local_lse - top), picked])
                 torch.distributed.all_reduce(sums, group=group)
-            s, t = sums[0], sums[1]
-            target[start:end] = sums[2]
-            lse[start:end] = m + torch.log(s)
-            entropy[start:end] = lse[start:end] - t / s
+                lse[start:end], target[start:end] = top + torch.log(sums[0]), sums[1]
+            else:
+                lse[start:end], target[start:end] = local_lse, picked
+            # H = -sum p log p with the global log p: no cancellation of two large terms
+            log_p = logits.sub_(lse[start:end, None])
+            c = end - start
+            part = -torch.bmm(torch.exp(log_p).unsqueeze(1), log_p.unsqueeze(2)).view(c)
+            if tp_size > 1:
+                torch.distributed.all_reduce(part, group=group)
+            entropy[start:end] = part
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
-        ctx.vocab_size, ctx.temperature, ctx.chunk, ctx.first = (
-            vocab_size,
-            temperature,
-            chunk,
-            first,
-        )
+        ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
         return target - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
-        local, first = weight.shape[0], ctx.first
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        rows, first, t = weight.shape[0], ctx.first, ctx.temperature
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            torch.zeros(rows, hidden.shape[1], dtype=torch.float32, device=hidden.device)
             if ctx.needs_input_grad[1]
             else None
         )
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = min(start + ctx.chunk, hidden.shape[0])
-            h = hidden[start:end]
-            logits = _chunk_logits(h, weight, ctx.vocab_size, ctx.temperature, first)
-            log_p = logits - lse[start:end, None]
-            p = torch.exp(log_p)
-            grad = torch.zeros_like(p)
-            if grad_logprobs is not None:
-                g = grad_logprobs[start:end]
-                grad -= p * g[:, None]
-                # the label's own column gets + g, on the rank whose slice holds it
-                local_label = labels[start:end] - first
-                rows = torch.nonzero((local_label >= 0) & (local_label < local)).squeeze(1)
-                grad[rows, local_label[rows]] += g[rows]
-            if grad_entropy is not None:
-                g = grad_entropy[start:end, None]
-                grad -= g * p * (log_p + entropy[start:end, None])
-            if ctx.temperature != 1.0:
-                grad /= ctx.temperature
-            # the logits were made in the weight's dtype: their gradient is cast back to it
-            grad = grad.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad @ weight
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ h).float()
+        if rows > 0 and (grad_logprobs is not None or grad_entropy is not None):
+            for start in range(0, hidden.shape[0], ctx.chunk):
+                end = min(start + ctx.chunk, hidden.shape[0])
+                h = hidden[start:end]
+                log_p = _chunk_logits(h, weight, t).sub_(lse[start:end, None])
+                p = torch.exp(log_p)
+                # dL/dl = p * (-g_lp - g_H (log p + H)) + g_lp onehot(y), all over T
+                g_lp = grad_logprobs[start:end] / t if grad_logprobs is not None else None
+                if grad_entropy is not None:
+                    g_h = grad_entropy[start:end, None] / t
+                    offset = g_h * entropy[start:end, None]
+                    if g_lp is not None:
+                        offset = offset + g_lp[:, None]
+                    grad = log_p.mul_(-g_h).sub_(offset).mul_(p)
+                else:
+                    grad = p.mul_(-g_lp[:, None])
+                if g_lp is not None:
+                    local_label = labels[start:end] - first
+                    here = torch.nonzero((local_label >= 0) & (local_label < rows)).squeeze(1)
+                    grad[here, local_label[here]] += g_lp[here]
+                # the logits were made in the weight's dtype: their gradient is cast back to it
+                grad = grad.to(weight.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad @ weight
+                if grad_weight is not None:
+                    grad_weight += (grad.t() @ h).float()
         if grad_weight is not None:
+            # padding rows of the projection get no gradient
+            grad_weight = torch.nn.functional.pad(grad_weight, (0, 0, 0, ctx.full_rows - rows))
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def _chunk_logits(hidden, weight, vocab_size: int, temperature: float, first: int):
-    """fp32 tempered logits [C, V/tp] of one chunk, vocabulary padding masked (see module)."""
-    logits = _scaled(hidden @ weight.t(), temperature)
-    if first + weight.shape[0] > vocab_size:
-        ids = torch.arange(weight.shape[0], device=logits.device) + first
-        logits = logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min)
-    return logits
+def _chunk_logits(hidden, weight, temperature: float) -> torch.Tensor:
+    """fp32 tempered logits [C, V'] of one chunk over this rank's real vocabulary rows."""
+    logits = (hidden @ weight.t()).float()
+    return logits if temperature == 1.0 else logits.div_(temperature)
+
+
+def _local_lse_and_label_logit(logits, local_labels):
+    """Over this rank's slice of one chunk's logits [C, V']: the log-sum-exp [C] and each
+    label's logit where the slice holds it (else 0)."""
+    rows = logits.shape[1]
+    if rows == 0:  # a rank holding only vocabulary padding
+        zeros = logits.new_zeros(logits.shape[0])
+        return torch.full_like(zeros, float("-inf")), zeros
+    here = (local_labels >= 0) & (local_labels < rows)
+    picked = logits.gather(1, local_labels.clamp(0, rows - 1)[:, None]).squeeze(1)
+    return torch.logsumexp(logits, dim=-1), torch.where(here, picked, 0.0)
 
 
 def chunked_logprobs_entropy(
