@@ -1,6 +1,7 @@
 """Benchmark: a long-tailed chain-of-thought batch trained with token-budget micro-batches
 (`use_dynamic_bsz`), packed ones (`model.use_remove_padding`) and padded to its longest
-response, side by side.
+response, side by side, and beside them the plain-PyTorch peer padding every row to the
+longest (`tools/bench_peer.py`).
 
     python -m tools.bench long_cot [--preset tiny --rows 32 --median 256 --max-length 2048]
 
@@ -23,12 +24,14 @@ import math
 import torch
 
 from megatron_rl.data.batch import TrainingBatch, split_micro_batches
+from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.presets import PRESETS, preset_arch
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 from tools.bench_common import alternate, record
+from tools.bench_peer import PEER_PRECISIONS, peer_step
 
 
 def long_tailed_lengths(
@@ -75,15 +78,25 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batch-size", type=int, default=2, help="rows of the padded arm")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--peer",
+        choices=[*PEER_PRECISIONS, "none"],
+        help="also the plain-PyTorch peer (tools/bench_peer.py), padding every row to the "
+        "longest as a user of it does, in this precision (default: fp32 on CPU, mixed on GPU)",
+    )
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
+    if a.peer is None:
+        a.peer = "mixed" if torch.cuda.is_available() else "fp32"
 
     arch = preset_arch(a.preset)
     layout = distributed.ParallelLayout()
     ctx = distributed.initialize(layout, arch=arch)
-    actor = Actor(arch=arch, layout=layout, optim=OptimConfig())
+    precision = PrecisionConfig(params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32)
+    actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
     responses = long_tailed_lengths(a.rows, a.median, a.sigma, a.max_length)
-    batch = long_cot_batch(arch.vocab_size, a.prompt_length, responses)
+    batch = long_cot_batch(arch.vocab_size, a.prompt_length, responses).to(ctx.device)
     budget = a.micro_batch_size * batch.seq_length  # the padded arm's tokens per micro-batch
     nmb = a.rows // a.micro_batch_size
     cfg = PolicyLossConfig(nll_coef=0.1)
@@ -97,12 +110,15 @@ def main(argv=None) -> None:
         "token_budget": lambda: update(False, max_tokens=budget),
         "packed": lambda: update(True, max_tokens=budget),
     }
+    if a.peer != "none":
+        arms["peer_padded"] = peer_step(a.preset, a.peer, batch, nmb)
     median = alternate(arms, a.steps, a.warmup)
     real = int(batch.sequence_lengths().sum())
     splits = {
         "padded": split_micro_batches(batch, nmb)[0],
         "token_budget": split_micro_batches(batch, max_tokens=budget)[0],
         "packed": split_micro_batches(batch, max_tokens=budget, pack=True)[0],
+        "peer_padded": split_micro_batches(batch, nmb)[0],
     }
     result = {
         "preset": a.preset,
@@ -114,6 +130,7 @@ def main(argv=None) -> None:
         "real_tokens": real,
         "steps": a.steps,
     }
+    result["peer"] = a.peer
     for name, t in median.items():
         result[f"{name}_micro_batches"] = len(splits[name])
         result[f"{name}_padded_tokens"] = padded_tokens(splits[name])
@@ -121,7 +138,9 @@ def main(argv=None) -> None:
         result[f"{name}_tokens_per_s"] = round(real / t, 1)
     result["speedup_token_budget_over_padded"] = round(median["padded"] / median["token_budget"], 3)
     result["speedup_packed_over_padded"] = round(median["padded"] / median["packed"], 3)
-    for name in splits:  # the tokens each arm computes over the real ones (1.0: no padding)
+    if "peer_padded" in median:
+        result["speedup_packed_over_peer"] = round(median["peer_padded"] / median["packed"], 3)
+    for name in median:  # the tokens each arm computes over the real ones (1.0: no padding)
         result[f"{name}_tokens_over_real"] = round(padded_tokens(splits[name]) / real, 3)
     if ctx.rank == 0:
         record("long_cot", result, a.out)

@@ -1,17 +1,25 @@
-"""Benchmark: the actor's PPO/VAPO update vs a plain Megatron forward-backward, side by side.
+"""Benchmark: the actor's PPO/VAPO update vs a plain Megatron forward-backward and vs a plain
+PyTorch training step, side by side.
 
-    python -m tools.bench train_step --preset tiny
+    python -m tools.bench train_step --preset tiny [--memory]
+    python -m tools.bench train_step --preset qwen2.5-0.5b --dtype bf16 --seq-length 32768 \
+        --micro-batch-size 1 --num-microbatches 1 --apart
     python -m tools.bench train_step --nproc-per-node 8 --preset qwen2-1b --dtype bf16 \
         --seq-length 4096 --tp 1 [--fp8 hybrid]
 
-Both arms use the same model chunks, DDP and optimizer, the same tokens and one optimizer
-step each: the baseline is megatron's fused cross-entropy (`labels=`) averaged over response
-tokens; ours is `Actor.update` (vocab-parallel log-probs and entropy, clip-higher PPO,
-positive-sample NLL, global token normalisation). Arms alternate step by step, so machine
-noise hits both; the ratio of median step times is the overhead of our loss machinery.
+Arms, on the same tokens with one optimizer step each: `plain_megatron`, megatron's fused
+cross-entropy (`labels=`) averaged over response tokens, with the actor's model chunks, DDP
+and optimizer; `ppo_update`, `Actor.update` (chunked log-probs and entropy, clip-higher PPO,
+positive-sample NLL, global token normalisation); on one device, `peer_hf`, what a user of
+plain PyTorch runs (`tools/bench_peer.py`: transformers + SDPA + fused AdamW, `--peer`
+precision). Arms alternate step by step in one process, so machine noise hits all of them;
+ratios of median step times compare them. `--memory` adds each arm's peak memory measured
+alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
+CPU, above what the process held before it built anything); `--apart` also takes the speeds
+from those children, for shapes where two models do not fit one device together.
 Prints one JSON line and appends it to --out. On a GPU it also reports model FLOPs
-utilisation (MFU) against the device's dense bf16 peak, and the peak memory it allocated next
-to `tools/plan_memory.py`'s estimate for the same layout.
+utilisation (MFU) against the device's dense bf16 peak, and the ppo_update peak next to
+`tools/plan_memory.py`'s estimate for the same layout.
 """
 
 from __future__ import annotations
@@ -133,7 +141,13 @@ def main(argv=None) -> None:
         action="store_true",
         help="also each arm's peak memory, every arm alone in a process of its own",
     )
-    p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm alone: --memory
+    p.add_argument(
+        "--apart",
+        action="store_true",
+        help="every arm alone in a process of its own, for speed and memory (shapes where "
+        "two models' states and activations do not fit one device together)",
+    )
+    p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child: one arm alone
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
 
@@ -151,12 +165,15 @@ def main(argv=None) -> None:
     baseline = resident_bytes()
     names = [a.arm] if a.arm else [n for n in ARMS if n != "peer_hf" or a.peer != "none"]
     sequences = a.micro_batch_size * a.num_microbatches
-    batch = to_device(synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank), ctx.device)
-    arms = build_arms(names, arch, layout, a, batch)
-    median = alternate(arms, a.steps, a.warmup)
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
-    if a.arm:  # a child of --memory: its peak above what the process held before the models
-        print(json.dumps({"arm": a.arm, "peak_bytes": peak_bytes() - baseline}), flush=True)
+    median = {}
+    if not a.apart or a.arm:
+        batch = synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank)
+        arms = build_arms(names, arch, layout, a, to_device(batch, ctx.device))
+        median = alternate(arms, a.steps, a.warmup)
+    if a.arm:  # a child: its time, and its peak above what the process held before the models
+        row = {"arm": a.arm, "seconds": median[a.arm], "peak_bytes": peak_bytes() - baseline}
+        print(json.dumps(row), flush=True)
         distributed.destroy()
         return
     result = {
@@ -165,14 +182,34 @@ def main(argv=None) -> None:
         "layout": f"TP{a.tp}PP{a.pp}DP{ctx.dp_size}" + ("SP" if a.sequence_parallel else ""),
         "dtype": a.dtype + ("+fp8" if a.fp8 else ""),
         "peer": a.peer,
+        "arms": "apart" if a.apart else "alternating",
         "seq_length": a.seq_length,
         "micro_batch_size": a.micro_batch_size,
         "num_microbatches": a.num_microbatches,
         "tokens_per_step": tokens,
         "steps": a.steps,
-        "ratio_ppo_over_plain": round(median["ppo_update"] / median["plain_megatron"], 4),
     }
-    if "peer_hf" in median:
+    if torch.cuda.is_available() and not a.apart:
+        result.update(memory_vs_plan(arch, a, ctx, torch.cuda.max_memory_allocated()))
+    distributed.destroy()
+    if a.memory or a.apart:
+        alone = arms_alone(argv, names)
+        for name, row in alone.items():
+            if "error" in row:
+                result[f"{name}_error"] = row["error"]
+                continue
+            result[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 3)
+            if a.apart:
+                median[name] = row["seconds"]
+        if "peak_bytes" in alone.get("ppo_update", {}) and "peak_bytes" in alone.get("peer_hf", {}):
+            result["memory_ppo_over_peer"] = round(
+                alone["ppo_update"]["peak_bytes"] / alone["peer_hf"]["peak_bytes"], 4
+            )
+        if a.apart and torch.cuda.is_available() and "peak_bytes" in alone.get("ppo_update", {}):
+            result.update(memory_vs_plan(arch, a, ctx, alone["ppo_update"]["peak_bytes"]))
+    if {"ppo_update", "plain_megatron"} <= set(median):
+        result["ratio_ppo_over_plain"] = round(median["ppo_update"] / median["plain_megatron"], 4)
+    if {"ppo_update", "peer_hf"} <= set(median):
         # tokens/s of ours over the peer's (> 1: ours is faster)
         result["speed_ppo_over_peer"] = round(median["peer_hf"] / median["ppo_update"], 4)
     flops = model_flops_per_token(arch, a.seq_length) * tokens
@@ -182,11 +219,6 @@ def main(argv=None) -> None:
         result[f"{name}_tokens_per_s"] = round(tokens / t, 1)
         if peak:
             result[f"{name}_mfu"] = round(flops / t / (peak * 1e12 * ctx.world_size), 4)
-    if torch.cuda.is_available():
-        result.update(memory_vs_plan(arch, a, ctx))
-    distributed.destroy()
-    if a.memory:
-        result.update(memory_per_arm(argv, names))
     if ctx.rank == 0:
         record("train_step", result, a.out)
 
@@ -242,13 +274,15 @@ _TORCHRUN_ENV = {
 worker that kept them would join that job's rendezvous."""
 
 
-def memory_per_arm(argv, names) -> dict:
-    """Each arm alone in a child process (same arguments, `--arm`): its peak memory above
-    what the process held before it built anything, and ours over the peer's."""
+def arms_alone(argv, names) -> dict[str, dict]:
+    """Each arm alone in a child process (same arguments, `--arm`): {arm: {"seconds": its
+    median step, "peak_bytes": its peak above what the process held before it built
+    anything}}, or {arm: {"error": the child's last line}} when it failed (out of memory)."""
     out = {}
     for name in names:
         child = [sys.executable, "-m", "tools.bench_train_step", *(argv or sys.argv[1:])]
-        child = [x for x in child if x != "--memory"] + ["--arm", name, "--out", ""]
+        child = [x for x in child if x not in ("--memory", "--apart")]
+        child += ["--arm", name, "--out", ""]
         # a process of its own, not a rank of this job (whose rendezvous port is taken)
         env = {
             k: v
@@ -257,16 +291,14 @@ def memory_per_arm(argv, names) -> dict:
         }
         done = subprocess.run(child, capture_output=True, text=True, env=env)
         if done.returncode != 0:
-            raise RuntimeError(f"arm {name} alone failed:\n{done.stderr[-3000:]}")
-        lines = done.stdout
-        row = json.loads(lines.strip().splitlines()[-1])
-        out[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 3)
-    if "peer_hf" in names:
-        out["memory_ppo_over_peer"] = round(out["ppo_update_peak_gib"] / out["peer_hf_peak_gib"], 4)
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            out[name] = {"error": last[-500:]}
+            continue
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
 
 
-def memory_vs_plan(arch: ModelArchitecture, a, ctx) -> dict:
+def memory_vs_plan(arch: ModelArchitecture, a, ctx, measured_bytes: int) -> dict:
     """The measured peak of this rank next to `tools/plan_memory.py`'s estimate for it."""
     from megatron_rl.memory_plan import GiB, MemoryPlanConfig, plan_memory
     from megatron_rl.models.gpt import transformer_engine_available
@@ -288,7 +320,7 @@ def memory_vs_plan(arch: ModelArchitecture, a, ctx) -> dict:
             critic=False,
         ),
     )
-    measured = torch.cuda.max_memory_allocated() / GiB
+    measured = measured_bytes / GiB
     planned = plan.train_bytes / GiB
     return {
         "max_memory_allocated_gib": round(measured, 2),

@@ -15,7 +15,14 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       always runs, also without CUDA
 - gpu_tests:          the GPU-only tests (tests/test_gpu.py: bf16 actor step, TE spec, FP8,
                       distributed-optimizer checkpoint, offloading, NCCL roles)
-- train_step_bf16:    `tools.bench train_step` on CUDA in bf16 (MFU, peak memory vs plan)
+- train_step_bf16:    `tools.bench train_step` on CUDA in bf16 (MFU, peak memory vs plan),
+                      Qwen2.5-0.5B, 4 x 2,048 tokens, beside the plain-PyTorch peer
+                      (transformers + SDPA + fused AdamW, mixed precision; each arm's
+                      peak memory alone: --memory)
+- train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
+                      0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
+- long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
+                      micro-batches vs the peer padding every row to the longest
 - train_step_fp8:     the same with FP8 GEMMs, needs Transformer Engine
 - trainer_hf_rollout: the trainer itself: two PPO steps of examples/tiny/ppo.yaml (actor,
                       critic, reference) on one GPU, bf16 params, rollouts by Hugging Face
@@ -61,6 +68,7 @@ MAX_TIMEOUT_S = 540
 """A part must end inside one device call (10 minutes) with time to spare for the rest."""
 STATUSES = ("passed", "failed", "skipped", "timeout")
 MEGATRON, TE, VLLM = ("megatron.core",), ("transformer_engine",), ("vllm",)
+PEER = ("transformers",)
 TWO_RANKS_ONE_GPU = (
     "two ranks on one GPU do not work here: NCCL refuses them at set-up ('Duplicate GPU "
     "detected'); gloo takes CUDA tensors only for broadcast/all_reduce, not the all_gather, "
@@ -125,7 +133,33 @@ def parts(work: Path) -> list[Part]:
         Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
         Part("gpu_tests", ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py"),
              needs=("pytest", *MEGATRON)),
-        Part("train_step_bf16", (*train_step, *results), needs=MEGATRON),
+        # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
+        # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes
+        Part("train_step_bf16", (*train_step, "--memory", *results), needs=MEGATRON + PEER),
+        # the longer shapes: every arm alone (--apart), two models do not fit one GPU there
+        Part(
+            "train_step_1b_4k",
+            (*train_step[:-4], "--preset", "qwen2-1b", "--seq-length", "4096",
+             "--micro-batch-size", "4", "--steps", "4", "--apart", *results),
+            needs=MEGATRON + PEER,
+        ),
+        *(
+            Part(
+                f"train_step_{length // 1024}k",
+                (*train_step[:-1], str(length), "--micro-batch-size", "1",
+                 "--num-microbatches", "1", "--steps", "3", "--warmup", "1", "--apart",
+                 *results),
+                needs=MEGATRON + PEER,
+            )
+            for length in (16384, 32768)
+        ),
+        Part(
+            "long_cot_peer",
+            ("tools.bench", "long_cot", *shape, "--dtype", "bf16", "--rows", "16",
+             "--median", "1024", "--max-length", "8192", "--micro-batch-size", "1",
+             "--steps", "2", *results),
+            needs=MEGATRON + PEER,
+        ),
         Part("train_step_fp8", (*train_step, "--fp8", "hybrid", *results), needs=MEGATRON + TE),
         Part(
             "trainer_hf_rollout",

@@ -37,15 +37,17 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
     assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
 
 
-def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path):
+@pytest.mark.parametrize("mode", ["--memory", "--apart"])
+def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path, mode):
     """One process: the transformers + SDPA + fused AdamW arm beside ours, and each arm's
-    peak memory measured alone in a child process."""
+    peak memory measured alone in a child process (`--apart`: its speed too)."""
     out = tmp_path / "results.jsonl"
     args = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--seq-length", "32"]
-    run_torchrun("tools.bench_train_step", [*args, "--memory", "--out", str(out)], nproc=1)
+    run_torchrun("tools.bench_train_step", [*args, mode, "--out", str(out)], nproc=1)
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
     assert result["peer"] == "fp32" and result["layout"] == "TP1PP1DP1"
+    assert result["arms"] == ("apart" if mode == "--apart" else "alternating")
     for arm in ("plain_megatron", "ppo_update", "peer_hf"):
         assert result[f"{arm}_tokens_per_s"] > 0 and result[f"{arm}_peak_gib"] > 0
     assert result["speed_ppo_over_peer"] == pytest.approx(
@@ -80,6 +82,9 @@ def test_bench_long_cot_writes_one_result_line(tmp_path):
     # packed: exactly the real tokens, no padding at all
     assert result["packed_padded_tokens"] == result["real_tokens"]
     assert result["packed_tokens_over_real"] == 1.0 and result["speedup_packed_over_padded"] > 0
+    # the plain-PyTorch peer pads every row to the longest, as the padded arm does
+    assert result["peer"] == "fp32" and result["peer_padded_tokens_over_real"] > 1
+    assert result["peer_padded_tokens_per_s"] > 0 and result["speedup_packed_over_peer"] > 0
 
 
 @pytest.mark.e2e  # ~50 s of Ray start-up and scoring: the journeys' tier
