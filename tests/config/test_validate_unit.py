@@ -82,6 +82,9 @@ def test_expert_parallelism_and_moe_settings_are_checked_against_the_model(
         validate_config(config_for(tiny_model_dir, "model.moe.freeze_moe_router=true"), 2)
     with pytest.raises(ConfigError, match="rollout.name=hf with a mixture of experts"):
         validate_config(config_for(moe, "rollout.name=hf"), 2)
+    with pytest.raises(ConfigError, match="model.use_remove_padding=true with a mixture of"):
+        validate_config(config_for(moe, *tp1_ep2, "model.use_remove_padding=true"), 2)
+    validate_config(config_for(tiny_model_dir, "model.use_remove_padding=true"), 2)
     with pytest.raises(ConfigError, match=r"actor.router_replay \(mode=R3.* is dense"):
         validate_config(config_for(tiny_model_dir, "actor.router_replay.mode=R3"), 2)
     replay = [*tp1_ep2, "actor.router_replay.mode=R3"]

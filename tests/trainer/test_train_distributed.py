@@ -287,20 +287,24 @@ DYNAMIC_BSZ = (
     "critic.ppo_max_token_len_per_gpu=40",
 )
 
+PACKED = "model.use_remove_padding=true"
+
 
 @pytest.mark.parametrize(
     "recipe,has_critic,extra",
     [
         ("ppo", True, ("actor.grad_offload=true", "critic.grad_offload=true", *DYNAMIC_BSZ)),
-        ("grpo", False, ("algorithm.rollout_correction.bypass_mode=true",)),
+        # packed micro-batches for the actor and the reference (KL in the loss)
+        ("grpo", False, ("algorithm.rollout_correction.bypass_mode=true", PACKED)),
         ("rloo", False, BF16_ROLLOUT_CORRECTED),
         ("reinforce_pp", False, ()),
     ],
 )
 def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
     """Each tiny recipe (GRPO: dynamic filtering, KL in the loss, the engine's log-probs as
-    pi_old) trains for two steps; PPO with its gradient buffers freed between updates and
-    token-budget micro-batches; RLOO with a bf16 rollout corrected by TIS and rejection."""
+    pi_old, packed micro-batches) trains for two steps; PPO with its gradient buffers freed
+    between updates and token-budget micro-batches; RLOO with a bf16 rollout corrected by TIS
+    and rejection."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
     recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
