@@ -37,6 +37,7 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
     assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
 
 
+@pytest.mark.e2e  # ~25 s each, three processes: the journeys' tier keeps `make test` short
 @pytest.mark.parametrize("mode", ["--memory", "--apart"])
 def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path, mode):
     """One process: the transformers + SDPA + fused AdamW arm beside ours, and each arm's
