@@ -14,6 +14,7 @@ from megatron_rl.models.gpt import (
 )
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
+from megatron_rl.models.lm_head import emit_hidden_states
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
@@ -62,7 +63,9 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     actor = Actor(
         arch=arch, layout=distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16
     )
+    emit_hidden_states(actor.chunks, on=False)  # logits, as the fp32 model gives
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
+    emit_hidden_states(actor.chunks, on=True)
     batch = cuda_global_batch(arch)
     metrics = actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
     assert metrics["update_ok"] and torch.isfinite(torch.tensor(metrics["grad_norm"]))
@@ -264,3 +267,31 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     assert critic.update(batch, ValueLossConfig())["update_ok"]
     assert any_rank(True) and not any_rank(False) and data_parallel_min(3) == 3
     assert reduce_over_ranks({"x": 1.0}) == {"x": 1.0}
+
+
+def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
+    single_rank, tiny_model_dir
+):
+    """Fused attention, chunked log-probs and packing in bf16 on CUDA: the log-probs of two
+    rows packed equal theirs unpacked, and a 16k-token update of the tiny actor stays far
+    below what [heads, s, s] fp32 scores of one layer alone would take (4 GiB)."""
+    arch = read_hf_config(tiny_model_dir)
+    distributed.initialize(distributed.ParallelLayout(), arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    actor = Actor(
+        arch=arch, layout=distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16
+    )
+    batch = cuda_global_batch(arch)
+    unpacked = actor.compute_logprobs(batch, num_microbatches=2)
+    actor.use_remove_padding = True
+    packed = actor.compute_logprobs(batch, num_microbatches=2)
+    seen = torch.arange(batch.seq_length, device="cuda") < batch.sequence_lengths()[:, None]
+    assert_close(packed, torch.where(seen, unpacked, 0.0), BF16_MODEL)
+
+    from tools.bench_train_step import synthetic_batch, to_device
+
+    long = to_device(synthetic_batch(arch, 1, 16384), torch.device("cuda"))
+    torch.cuda.reset_peak_memory_stats()
+    metrics = actor.update(long, PolicyLossConfig(nll_coef=0.1), num_microbatches=1)
+    assert metrics["update_ok"]
+    assert torch.cuda.max_memory_allocated() < 2 * 2**30
