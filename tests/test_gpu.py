@@ -196,7 +196,7 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
 def test_a_rewind_undoes_bf16_updates_bit_for_bit(
     single_rank, tiny_model_dir, distributed_optimizer
 ):
-    """#44's rewind on the GPU path: bf16 parameters with fp32 masters (the distributed
+    """The stopped step's rewind on the GPU path: bf16 parameters with fp32 masters (the distributed
     optimizer's shards, or megatron's Float16 optimizer), the copy in pinned host memory, the
     optimizer offloaded and brought back between the copy and the rewind (new tensor objects).
     After the rewind, redoing the updates equals an actor that never rewound."""

@@ -1,5 +1,5 @@
 """A simulation, not a measurement: PPO steps per hour of a recipe's shape at GPU scale,
-with the engines colocated, apart and synchronous, and apart one step off (#45). It exists
+with the engines colocated, apart and synchronous, and apart one step off. It exists
 because the overlap async RL buys is a GPU property these CPU machines cannot show
 (`tools.bench async` measures the tiny demo here).
 

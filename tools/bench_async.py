@@ -1,4 +1,4 @@
-"""Benchmark: time per PPO step with the engines colocated against apart (#45), on the same
+"""Benchmark: time per PPO step with the engines colocated against apart, on the same
 cores, from the trainer's own timers.
 
     python -m tools.bench async [--model runs/demo/tiny-sft-count_on --steps 6 --shape demo|long]

@@ -1,4 +1,4 @@
-"""Benchmark: multi-turn rollouts with tools in flight vs turn by turn (#47).
+"""Benchmark: multi-turn rollouts with tools in flight vs turn by turn.
 
     python -m tools.bench tools [--prompts 8 --n 4 --turns 3 --latency-s 0.2 --workers 4]
 

@@ -9,7 +9,7 @@ and `--into-step-s` more seconds have passed, sends SIGTERM to the launcher (as 
 or SLURM's `--signal=B:TERM` would) and waits for it to exit. Prints one JSON line: seconds
 from the signal to the launcher's exit, the phase the workers aborted in, the workers' own
 "s after the request" and the save time from their log, and the logged steps' mean
-`timing/step_s`, which is what a stop that waits for the step (before #44) would have added.
+`timing/step_s`, which is what a stop that waits for the step (before stop requests could abort a step) would have added.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
    `--min-gain` (0.25): the claim is a gain with a margin on every seed, not a number to the
    digit, because CPU kernels round differently from machine to machine.
 
-Tasks (`--task`, TASKS): `tool_sums` (#47), five-digit sums with a code interpreter:
+Tasks (`--task`, TASKS): `tool_sums`, five-digit sums with a code interpreter:
 multi-turn rollouts where the warm start calls the tool in ~40% of its samples and RL must
 find that the tool is what earns the reward (the tool calls per trajectory are printed too);
 `count_on` (the default), sums answered either by counting on

@@ -49,7 +49,7 @@ TASKS = {
         sft_steps=400,
         sft_label_key="solution",
         response_template="{answer}",
-        title="5-digit sums with a code interpreter (multi-turn, #47)",
+        title="5-digit sums with a code interpreter (multi-turn)",
         accuracy="avg@4 at T=1",
         chat_template="chatml_tools",
     ),

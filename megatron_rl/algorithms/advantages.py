@@ -16,7 +16,7 @@ Registered (paper in each docstring):
 - "reinforce_plus_plus": KL-penalised return-to-go, globally whitened (REINFORCE++);
 - "reinforce_plus_plus_baseline": group-mean baseline, then global whitening (REINFORCE++).
 
-Multi-turn rollouts (#47): environment tokens are holes, so GAE bootstraps the last policy
+Multi-turn rollouts: environment tokens are holes, so GAE bootstraps the last policy
 token of turn k from V at the first policy token of turn k+1 (the state that has read the
 environment's answer) with no discount or lambda decay across the block: one policy token is
 one time step, the environment's answer part of the transition (verl's choice, "skip values

@@ -63,7 +63,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MultiTurnConfig:
-    """Multi-turn rollouts with tools (#47; verl's `rollout.multi_turn`, docs/tools.md): the
+    """Multi-turn rollouts with tools (verl's `rollout.multi_turn`, docs/tools.md): the
     policy generates until a tool call, `env` answers, the answer's tokens are appended, and
     the policy goes on; the trainer learns from exactly the ids the engine sampled, the
     answers in the sequence and out of the loss."""
@@ -129,7 +129,7 @@ class RolloutConfig:
     cpu_kv_cache_space_gib: int = 1
     rating: RatingConfig = field(default_factory=RatingConfig)
     placement: str = "colocated"
-    """Where the engines run (#45, docs/design/async.md): "colocated", every rank trains and
+    """Where the engines run (docs/design/async.md): "colocated", every rank trains and
     generates in turn (the engine sleeps while Megatron trains); "disaggregated", the last
     `engine_ranks` ranks of the launch only generate and the others only train, the actor's
     weights pushed to them after every update (`sync/weight_push.py`)."""
@@ -188,7 +188,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AsyncConfig:
-    """Generation ahead of training (#45, docs/design/async.md; YAML section `async`): the
+    """Generation ahead of training (docs/design/async.md; YAML section `async`): the
     engine ranks of a disaggregated placement generate the next step's rollout while the
     trainers train on this one."""
 

@@ -75,7 +75,7 @@ def check_rollout_correction(config: TrainConfig) -> None:
 
 
 def check_placement(config: TrainConfig, world_size: int) -> None:
-    """A disaggregated placement (#45): engine ranks that leave trainers and form whole
+    """A disaggregated placement: engine ranks that leave trainers and form whole
     engines of vllm_tensor_parallel_size ranks (default 1) that split the rollout evenly."""
     r = config.rollout
     if r.placement != "disaggregated":
@@ -257,7 +257,7 @@ def _response_key(r) -> str:
 
 
 def check_multi_turn(config: TrainConfig) -> None:
-    """Multi-turn rollouts (#47) with what they are built for: the colocated placement,
+    """Multi-turn rollouts with what they are built for: the colocated placement,
     whole trajectories in one policy version, no recorded routes; and their lengths."""
     r = config.rollout
     m = r.multi_turn

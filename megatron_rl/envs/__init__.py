@@ -1,4 +1,4 @@
-"""Environments of multi-turn rollouts (#47): what answers the policy's tool calls.
+"""Environments of multi-turn rollouts: what answers the policy's tool calls.
 
 - `base`: the interface (`Environment`: reset / step with explicit, picklable state), the
   action and step records;

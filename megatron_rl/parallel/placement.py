@@ -1,4 +1,4 @@
-"""Two roles in one launch (#45, `rollout.placement: disaggregated`; docs/design/async.md
+"""Two roles in one launch (`rollout.placement: disaggregated`; docs/design/async.md
 §3.2): the first ranks of the torchrun world train (Megatron: actor, critic, reference), the
 last `engine_ranks` only generate (vLLM). Global rank 0 is a trainer, so logging and
 checkpoints stay where they are.

@@ -1,5 +1,5 @@
 """Multi-turn rollouts with tools: the policy generates until a tool call, the environment
-answers, the answer's tokens are appended, and the policy goes on (#47).
+answers, the answer's tokens are appended, and the policy goes on.
 
 Token in, token out: a trajectory is the prompt's ids, then each turn's ids as the engine
 sampled them, then each answer's block encoded once, alone, and appended as it is. Nothing

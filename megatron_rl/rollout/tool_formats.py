@@ -13,7 +13,7 @@ text), how the call between them is parsed, and the block the answer is appended
 `hermes`' block is Qwen's own chat template's rendering of a tool message after an assistant
 turn that ended at `</tool_call>` (the turn's `<|im_end|>` is the block's first token, since
 the engine stopped before writing it). The answer's text is encoded once, alone, and appended
-to the trajectory's ids: no policy token is ever re-encoded (#47's token in / token out).
+to the trajectory's ids: no policy token is ever re-encoded (token in / token out).
 `llama3_python_tag` is Llama-3.1's built-in code interpreter as its model card and template
 write it (the call ends at `<|eom_id|>`; the answer in the `ipython` role), checked here
 against a tiny tokenizer with those tokens, not against a Llama-3.1 checkpoint. Llama's

@@ -140,7 +140,7 @@ class Sample:
 
 
 class WeightRefresh(Protocol):
-    """New weights that may arrive while the engine generates (partial rollouts, #45)."""
+    """New weights that may arrive while the engine generates (partial rollouts)."""
 
     version: int
     """The policy version the engine holds."""

@@ -1,4 +1,4 @@
-"""The weight push of a disaggregated placement (#45; docs/design/async.md §3.3): a training
+"""The weight push of a disaggregated placement (docs/design/async.md §3.3): a training
 rank broadcasts the actor's Hugging Face tensors, in buckets and tagged with their policy
 version, to the rollout-engine ranks over a process group that spans both roles.
 

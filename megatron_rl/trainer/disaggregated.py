@@ -1,4 +1,4 @@
-"""The two roles of a disaggregated placement talking (#45; docs/design/async.md §3): the
+"""The two roles of a disaggregated placement talking (docs/design/async.md §3): the
 trainers' side (`EngineRanks`) and what passes between them and the engine ranks
 (`trainer/engine_worker.py`).
 

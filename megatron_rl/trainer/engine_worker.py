@@ -1,4 +1,4 @@
-"""An engine rank of a disaggregated placement (#45; docs/design/async.md §3): it only
+"""An engine rank of a disaggregated placement (docs/design/async.md §3): it only
 generates and scores. It holds its part of a rollout engine (vLLM TP t: t consecutive engine
 ranks form one engine, a *replica*), the tokenizer, the prompts and, on a replica's first
 rank, the reward pool; no Megatron, no checkpoint. Every rank of a replica carries out trainer

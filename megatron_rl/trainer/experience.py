@@ -9,7 +9,7 @@ samples -> tokens + response mask, scores, groups
         -> rollout correction: the engine's log-probs against the old ones (diagnostics
            every step; importance weights / rejection when configured)
 
-Multi-turn samples (#47) carry environment tokens: out of the response mask (samples_to_batch),
+Multi-turn samples carry environment tokens: out of the response mask (samples_to_batch),
 so no estimator, loss or metric counts them; their environments' step rewards enter the
 estimator (`step_rewards_of`); the log-prob gap is also reported per turn, in the same
 all-reduce as the rest of the diagnostics, for runs whose samples have a second turn.

@@ -145,7 +145,7 @@ class RLTrainer:
         )
         # Before the models: a reward that cannot be imported or built fails in seconds.
         self.pool = ModelParallelScoringPool(c.rewards.reward_fns, c.rewards.pool)
-        # Multi-turn rollouts (#47): the tool format checked against the tokenizer, and the
+        # Multi-turn rollouts: the tool format checked against the tokenizer, and the
         # environment's workers started, before the models too.
         self.agent = agent_spec(c, self.tokenizer) if c.rollout.multi_turn.enable else None
         self.env_pool = None

@@ -17,7 +17,7 @@ def optimizer_steps(
     role's update records, and the rewind copy's cost (`timing/rewind_snapshot_s`,
     `memory/rewind_snapshot_gib`; {} when none was taken).
 
-    Stop requests (#44): the abort point after the first mini-batch's gradients comes before
+    Stop requests: the abort point after the first mini-batch's gradients comes before
     any weight changed. With `trainer.rewindable_update` and several mini-batches, every role
     copies its update state to host memory right after it (`TrainableRole.snapshot_updates`)
     and each later mini-batch has an abort point before its gradients; an abort there rewinds

@@ -1,5 +1,5 @@
 """A host copy of what a trainable role's optimizer updates change, so that a stop request
-between a step's mini-batches (#44) can put the role back where the step began.
+between a step's mini-batches can put the role back where the step began.
 
 What an update changes: the model's parameters, the optimizer's master weights (bf16
 training; the distributed optimizer's fp32 shards), its per-parameter state (Adam's moments

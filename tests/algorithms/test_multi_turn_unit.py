@@ -1,4 +1,4 @@
-"""Unit tier: multi-turn samples (#47) in the batch and the estimators. Environment tokens
+"""Unit tier: multi-turn samples in the batch and the estimators. Environment tokens
 sit in the sequence and out of the response mask; every estimator treats them as absent
 (GAE with holes = GAE with those columns deleted); step rewards land on policy tokens; the
 log-prob gap is counted per turn."""

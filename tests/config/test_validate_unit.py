@@ -224,7 +224,7 @@ def test_reward_inputs_are_named_before_any_process_starts(tiny_model_dir, tmp_p
 
 def test_a_disaggregated_placement_is_checked_against_the_launch(tiny_model_dir):
     """Engine ranks leave trainers whose layout and batches must fit the rest of the world;
-    what the first slice of #45 does not run is refused by name."""
+    what the disaggregated placement does not run is refused by name."""
     dis = ("rollout.placement=disaggregated", "parallel.tensor_model_parallel_size=2")
     validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=1"), world_size=3)
     validate_config(config_for(tiny_model_dir, *dis, "rollout.engine_ranks=2"), world_size=4)

@@ -281,7 +281,7 @@ def test_kernel_layers_are_used_where_the_kernel_allows_them(record_property):
     if unshare_works():
         assert report.network and "namespaces" in report.layers, report.details
         assert "namespaces" in result.isolation.split("+")
-    # This machine (issue #47's target) has all three; any kernel layer must be present.
+    # This machine (the project's target) has all three; any kernel layer must be present.
     assert {"namespaces", "landlock", "seccomp"} & set(result.isolation.split("+"))
     assert report.network and report.files and report.processes, report.details
     assert set(result.isolation.split("+")) >= {*report.layers, "audit_hook"}

@@ -153,7 +153,7 @@ def test_the_demos_count_all_sums_are_the_generators_and_count_all_never_finishe
 
 
 def test_the_tool_sums_are_the_generators_and_their_calls_compute_the_answer(tmp_path):
-    """#47's demo data: held-out pairs, 40% of the warm start's solutions calling the code
+    """The tool-use demo data: held-out pairs, 40% of the warm start's solutions calling the code
     interpreter with the sum (parsed as the `code` format parses it), every one boxed right."""
     import runpy
 

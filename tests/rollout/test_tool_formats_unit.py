@@ -1,4 +1,4 @@
-"""Unit tier: tool formats (#47): calls parsed from a turn's text, each malformed call with
+"""Unit tier: tool formats: calls parsed from a turn's text, each malformed call with
 one clear reason, the answer block, the stop token found in a real tokenizer, truncation."""
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
 def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
     cluster, uninterrupted, tiny_model_dir, tmp_path
 ):
-    """#44: the signal lands inside vLLM's generation of PPO step 3 (held there until the
+    """A stop request inside a step: the signal lands inside vLLM's generation of PPO step 3 (held there until the
     signal comes: tests/slurm/hold_generation), through the batch script's trap and stop
     file as in production: the workers abort the generation, save step 2 (the step's start),
     the job requeues and the next start redoes step 3; every step's metrics and the data
@@ -272,7 +272,7 @@ def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
 def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
     cluster, tiny_model_dir, tmp_path
 ):
-    """#45 through the shipped script: the disaggregated placement over the two nodes (n1's
+    """Through the shipped script: the disaggregated placement over the two nodes (n1's
     rank trains, n2's only generates: the last `engine_ranks` ranks), one step off. USR1
     after two PPO steps, while the engine runs ahead: every rank saves or exits, the job
     requeues, and the next start resumes, its first round regenerated with the checkpoint's

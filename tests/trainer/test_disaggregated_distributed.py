@@ -1,4 +1,4 @@
-"""A disaggregated placement end to end (#45): `megatron_rl.cli.train` under torchrun with
+"""A disaggregated placement end to end: `megatron_rl.cli.train` under torchrun with
 the last rank(s) only generating (real vLLM on its own world) and the others only training
 (Megatron), weights pushed over the bridge after every update; evaluations on the engines.
 

@@ -421,7 +421,7 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     stop_at, save_interval, aborted_in, signal_rank, vapo_run, tiny_model_dir, labelled_prompts,
     tmp_path,
 ):  # fmt: skip
-    """A stop request inside a step (#44) aborts it (after an optimizer update: rewound to
+    """A stop request inside a step aborts it (after an optimizer update: rewound to
     the copy taken before the step's first, `trainer.rewindable_update`): every rank exits 0
     at once, the checkpoint is the step's start (data position rewound, RNG put back), and
     the resumed run logs the same steps, metrics and final weights as the uninterrupted one.

@@ -212,7 +212,7 @@ def test_replicated_parameters_gradients_are_summed_over_tensor_parallel_ranks(
 
 
 def test_a_rewind_undoes_the_updates_since_the_snapshot_bit_for_bit(tiny_model_dir, tmp_path):
-    """#44's stop between mini-batches: `snapshot_updates` then `rewind_updates` puts back the
+    """A stop between mini-batches: `snapshot_updates` then `rewind_updates` puts back the
     weights, Adam state and learning-rate schedule of the snapshot (an unstepped optimizer
     loses the state its updates made; the state's tensor objects may have been replaced, as
     megatron's optimizer offload does), and redoing the updates gives the same bits."""

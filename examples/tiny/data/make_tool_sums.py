@@ -1,4 +1,4 @@
-"""Write the tool-use sums (#47's demo task): `tool_sums_train.jsonl` (540 rows) and
+"""Write the tool-use sums (the tool-use demo's task): `tool_sums_train.jsonl` (540 rows) and
 `tool_sums_test.jsonl` (100 held-out rows) beside this file.
 
     python examples/tiny/data/make_tool_sums.py [OUT_DIR] [--tool-share 0.4]
