@@ -72,8 +72,6 @@ def run_schedule(
     # Every stage of a PP group splits the same batch the same way, so they agree on this.
     shapes = {tuple(mb.model_input_ids.shape) for mb in micro_batches}
     config.variable_seq_lengths = len(shapes) > 1
-    if router_losses and any(mb.packing is not None for mb in micro_batches):
-        raise ValueError("packed micro-batches with MoE router losses are not supported")
     iterators = [iter(micro_batches) for _ in chunks]
     try:
         return get_forward_backward_func()(
