@@ -147,7 +147,7 @@ def warm_start(
         [
             sys.executable, "-m", "examples.demo.sft", "--model", str(model_dir),
             "--data", task.sft_data, "--out", str(out), "--steps", str(steps or task.sft_steps),
-            "--lr", "2e-3", "--batch-size", "32", "--threads", str(threads),
+            "--lr", str(task.sft_lr), "--batch-size", "32", "--threads", str(threads),
             "--label-key", task.sft_label_key, "--response-template", task.response_template,
         ],
         check=True,
