@@ -198,7 +198,7 @@ def main(argv=None) -> None:
             if "error" in row:
                 result[f"{name}_error"] = row["error"]
                 continue
-            result[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 3)
+            result[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 4)
             if a.apart:
                 median[name] = row["seconds"]
         if "peak_bytes" in alone.get("ppo_update", {}) and "peak_bytes" in alone.get("peer_hf", {}):
