@@ -42,7 +42,8 @@ def llama_rm_dir(tmp_path_factory):
 def vllm_engine(tiny_model_dir):
     """One in-process vLLM engine on the tiny model for every test that only generates (its
     start-up, mostly importing vLLM, is the expensive part)."""
-    from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
+    from megatron_rl.rollout.types import EngineConfig
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(tiny_model_dir, EngineConfig(seed=0, max_model_len=256))
 

@@ -53,6 +53,9 @@ LAYERS: list[tuple[str, ...]] = [
     # the run's config and its validation (names every piece above), with the trainer's
     # pieces it validates against
     ("megatron_rl.config", "megatron_rl.trainer.loggers"),
+    # the rollout side as the trainer sees it, one interface for both placements (it reads
+    # the run's config and pushes weights through `sync`)
+    ("megatron_rl.rollout.service",),
     ("megatron_rl.trainer",),
     ("megatron_rl.cli",),
 ]
@@ -60,6 +63,11 @@ LAYERS: list[tuple[str, ...]] = [
 
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 """(importer, imported) pairs allowed to break (b), each with the reason it is left."""
+
+TRAINER_SEES_OF_ROLLOUT = ("megatron_rl.rollout.service", "megatron_rl.rollout.types")
+"""All the trainer may import of the rollout side: the service's package (its `__init__`
+names) and the engine-neutral types. Neither engines, wrappers, rating, the engine ranks'
+loop nor the wire protocol: whatever the placement, the trainer holds a `RolloutService`."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,20 @@ def upward_imports(
     return bad
 
 
+def reaches_into(
+    imports: list[Import], importer: str, side: str, sees: tuple[str, ...]
+) -> list[str]:
+    """Imports by modules under `importer` of modules under `side` other than `sees`
+    exactly (a package's own names, not its modules)."""
+    return [
+        f"{i.path.name}:{i.line}: {i.importer} imports {i.imported}"
+        for i in imports
+        if (i.importer == importer or i.importer.startswith(importer + "."))
+        and (i.imported == side or i.imported.startswith(side + "."))
+        and i.imported not in sees
+    ]
+
+
 def imports_of_outside(root: Path, package: str, forbidden: tuple[str, ...]) -> list[str]:
     """Imports (anywhere in a module) of top-level packages the library must not need: the
     examples, the tools and the tests run from the repository root and are not installed."""
@@ -306,6 +328,12 @@ def test_the_library_imports_no_examples_tools_or_tests():
     assert imports_of_outside(ROOT, PACKAGE, ("examples", "tools", "tests")) == []
 
 
+def test_the_trainer_sees_only_the_rollout_service_and_its_types(imports):
+    trainer = f"{PACKAGE}.trainer"
+    assert reaches_into(imports, trainer, f"{PACKAGE}.rollout", TRAINER_SEES_OF_ROLLOUT) == []
+    assert imports_of_outside(ROOT, f"{PACKAGE}/trainer", ("vllm",)) == []
+
+
 def test_every_late_import_says_why():
     assert unexplained_late_imports(ROOT, PACKAGE) == []
 
@@ -391,6 +419,27 @@ def test_a_late_import_without_a_why_is_found(tmp_path):
         "pkg/a.py:8: import numpy",
         "pkg/sub/b.py:2: import torch",
     ]
+
+
+def test_a_reach_into_a_side_s_internals_is_found(tmp_path):
+    write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/side/__init__.py": "",
+        "pkg/side/service/__init__.py": "def f():\n    pass\n",
+        "pkg/side/service/engine.py": "",
+        "pkg/side/types.py": "",
+        "pkg/user/__init__.py": "",
+        "pkg/user/a.py": (
+            "from pkg.side.service import f\nfrom pkg.side import types\n\n"
+            "def g():\n    from pkg.side.service import engine  # why: late\n"
+        ),
+    })  # fmt: skip
+    sees = ("pkg.side.service", "pkg.side.types")
+    found = all_imports(tmp_path, "pkg")
+    assert reaches_into(found, "pkg.user", "pkg.side", sees) == [
+        "a.py:5: pkg.user.a imports pkg.side.service.engine"
+    ]
+    assert reaches_into(found, "pkg.user", "pkg.side", (*sees, "pkg.side.service.engine")) == []
 
 
 def test_an_import_of_the_examples_is_found(tmp_path):

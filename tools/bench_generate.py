@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.presets import PRESETS
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tools.bench_common import alternate, record
 
 

@@ -50,7 +50,8 @@ def main(argv=None) -> None:
     from megatron_rl.data import PromptDataConfig, PromptStream, load_prompts
     from megatron_rl.rewards import PythonRewardConfig, ScoringPoolConfig, make_scoring_pool
     from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
-    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+    from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
 
     work = Path(tempfile.mkdtemp(prefix="bench_rollout-"))
     model = a.model or str(make_tiny_model(work / "tiny-qwen2"))

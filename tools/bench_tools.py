@@ -29,7 +29,8 @@ from megatron_rl.envs.config import EnvConfig
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.rollout.agent import AgentSpec, EnvSteps, run_in_flight, run_turns
 from megatron_rl.rollout.tool_formats import call_end_id, tool_format
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tools.bench_common import alternate, record
 
 

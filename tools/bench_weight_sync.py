@@ -25,7 +25,8 @@ import torch
 from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.sync.weight_sync import (
     WeightSyncConfig,
     all_stage_tensors,

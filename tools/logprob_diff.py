@@ -48,7 +48,8 @@ def worker(a) -> None:
     from megatron_rl.numerics import Tolerance, compare
     from megatron_rl.parallel import distributed
     from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
-    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+    from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
 
     arch = read_hf_config(a.hf_dir)

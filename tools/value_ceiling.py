@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_rl.data import PromptDataConfig, load_prompts
     from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
-    from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+    from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+    from megatron_rl.rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data, label_key="solution"), tok)

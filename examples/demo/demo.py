@@ -51,7 +51,8 @@ from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.config import load_config
 from megatron_rl.launch import run_torchrun
 from megatron_rl.parallel.distributed import pin_threads
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.trainer.value_pretrain import settled_explained_variance
 
 DEFAULT_DIR = Path("runs/demo")

@@ -29,7 +29,7 @@ from megatron_rl.fsutil import atomic_output_dir
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.vllm_engine import Sample
+from megatron_rl.rollout.types import Sample
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor

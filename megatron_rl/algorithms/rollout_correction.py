@@ -16,7 +16,7 @@ trainer's recomputed pi_old. The importance weight of a token is
   from the update (their response-mask entries become 0). A sequence holding a token whose
   w_t is below `rollout_token_veto_threshold` is dropped whole (a catastrophic mismatch).
 
-Asynchronous rollouts (`async.max_staleness` 1: `trainer/disaggregated.py`) make the same
+Asynchronous rollouts (`async.max_staleness` 1: `rollout/service/protocol.py`) make the same
 weights cover staleness too: pi_rollout is then the behaviour policy that sampled the tokens,
 up to k updates older, and pi_old, the trainer's forward at the current weights, is the
 *proximal* policy of decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy

@@ -420,7 +420,7 @@ class EvalSetConfig:
     """One held-out prompt set evaluated during training (verl: `data.val_files` with
     `rollout.val_kwargs`). Same fields as `data`; metrics `eval/{name}/avg@{n}`,
     `eval/{name}/pass@{k}`, `eval/{name}/reward_mean`, `eval/{name}/response_length/mean`
-    (`trainer/evaluation.py`), a sample being correct when its reward is > 0."""
+    (`rollout/evaluation.py`), a sample being correct when its reward is > 0."""
 
     path: str
     name: str = ""

@@ -36,10 +36,13 @@ from dataclasses import dataclass, field, replace
 from megatron_rl.envs.base import Action, StepResult, Task
 from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.tool_formats import ToolFormat, TruncateSide, truncate
-from megatron_rl.rollout.vllm_engine import (
+from megatron_rl.rollout.types import (
     ABORT_CHECK_STEPS,
+    Engine,
+    EngineWrapper,
     Sample,
     SamplingConfig,
+    check_generate,
     continuation_seed,
 )
 
@@ -447,19 +450,23 @@ def _apply(t: Trajectory, result: StepResult, tokenizer, spec: AgentSpec) -> Non
     t.finish_reason = None
 
 
-class AgentEngine:
+class AgentEngine(EngineWrapper):
     """A rollout engine whose `generate` runs multi-turn rollouts (`run_in_flight` on a
-    streaming engine, vLLM; `run_turns` on others) on the engine it wraps; every other attribute (sleep, wake_up, update_weights, ...) is that engine's.
-    `generate(..., tasks=)` takes each prompt's `Task` (what the environment's reset reads);
-    without them (an evaluation) the tasks are empty."""
+    streaming engine, vLLM; `run_turns` on others) on the engine it wraps; the rest of the
+    `Engine` (sleep, wake_up, update_weights, ...) is that engine's. `generate(...,
+    tasks=)` takes each prompt's `Task` (what the environment's reset reads); without them
+    (an evaluation) the tasks are empty."""
 
     multi_turn = True
+    partial_rollouts = False
+    """A turn's continuation is its own request: the weights may change between turns, never
+    inside one, so there is nothing for a refresh to interrupt."""
 
-    def __init__(self, engine, spec: AgentSpec, steps: EnvSteps | SharedEnvSteps, tokenizer):
-        self.engine, self.spec, self.steps, self.tokenizer = engine, spec, steps, tokenizer
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    def __init__(
+        self, engine: Engine, spec: AgentSpec, steps: EnvSteps | SharedEnvSteps, tokenizer
+    ):
+        super().__init__(engine)
+        self.spec, self.steps, self.tokenizer = spec, steps, tokenizer
 
     def generate(
         self,
@@ -468,13 +475,13 @@ class AgentEngine:
         seeds: list[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         tasks: list[Task] | None = None,
+        refresh: None = None,
     ) -> list[Sample]:
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
         tasks = tasks if tasks is not None else [Task(None)] * len(prompts)
-        if len(tasks) != len(prompts):
-            raise ValueError(f"{len(tasks)} tasks for {len(prompts)} prompts")
         # in flight where the engine streams (vLLM); else turn by turn (`hf`): same samples
-        loop = run_in_flight if hasattr(self.engine, "stream_submit") else run_turns
+        loop = run_in_flight if self.inner.streams else run_turns
         return loop(
-            self.engine, prompts, tasks, sampling, seeds, self.spec, self.steps, self.tokenizer,
+            self.inner, prompts, tasks, sampling, seeds, self.spec, self.steps, self.tokenizer,
             should_stop,
         )  # fmt: skip

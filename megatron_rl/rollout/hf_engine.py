@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.vllm_engine import (
+from megatron_rl.rollout.types import (
     ENGINE_MEMORY,
-    EngineAsleep,
     EngineConfig,
     Sample,
     SamplingConfig,
+    check_generate,
+    require_awake,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,13 +170,6 @@ class HFEngine:
             self.model.to(self.device)
         self.awake |= set(tags)
 
-    def _require_awake(self, *parts: str, use: str) -> None:
-        missing = [p for p in parts if p not in self.awake]
-        if missing:
-            raise EngineAsleep(
-                f"the hf engine cannot {use}: its {missing} are asleep (wake_up first)"
-            )
-
     def reset_prefix_cache(self) -> None:
         """No prefix cache: nothing outlives a `generate` call."""
 
@@ -185,7 +179,7 @@ class HFEngine:
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF name, tensor) pairs into the model in place (tied embeddings: the model
         has no separate `lm_head.weight`); every weight must arrive, each once or more."""
-        self._require_awake("weights", use="take weights")
+        require_awake(self, "weights", use="take weights")
         params = dict(self.model.named_parameters())
         seen = set()
         for name, t in weights:
@@ -208,7 +202,7 @@ class HFEngine:
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each sequence at temperature 1:
         [len(seq) - 1] per sequence (like vLLM's prompt log-probs, from the raw logits)."""
-        self._require_awake(*ENGINE_MEMORY, use="score")
+        require_awake(self, *ENGINE_MEMORY, use="score")
         if not sequences:
             return []
         self._check_lengths(sequences, 0)
@@ -225,22 +219,30 @@ class HFEngine:
 
     aborts_generation = False
     """`generate` runs to its end: a stop request waits for it (no `should_stop`)."""
+    multi_turn = False
+    partial_rollouts = False
+    streams = False
+
+    def drop_ahead(self) -> None:
+        """Nothing is ever admitted ahead (no partial rollouts)."""
 
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        should_stop: None = None,
+        tasks: None = None,
+        refresh: None = None,
     ) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
 
         `seeds`: one per prompt; a request's samples then depend only on its prompt, seed,
         sampling and the weights (not on the other prompts of the call)."""
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
         if not prompts:
             return []
-        self._require_awake(*ENGINE_MEMORY, use="generate")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        require_awake(self, *ENGINE_MEMORY, use="generate")
         self._check_lengths(prompts, 1)
         if seeds is None:
             seeds = torch.randint(2**31, (len(prompts),), generator=self._seeds, device="cpu")

@@ -20,7 +20,6 @@ produce the same samples and ratings for a fixed engine seed.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections import deque
@@ -34,14 +33,7 @@ from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.scorer import check_failure_ratio
 from megatron_rl.rollout.agent import multi_turn_metrics
 from megatron_rl.rollout.strategies import Group, RatedSample, make_strategy
-from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig, WeightRefresh
-
-
-class Engine(Protocol):
-    aborts_generation: bool
-    """Whether `generate` takes `should_stop` (a stop inside one engine call)."""
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[Sample]: ...
+from megatron_rl.rollout.types import Engine, Sample, SamplingConfig, WeightRefresh, request_seed
 
 
 class PromptSource(Protocol):
@@ -92,12 +84,6 @@ class _Chunk:
     handle: object
 
 
-def request_seed(*parts: int) -> int:
-    """A 31-bit seed mixed from integers (distinct parts give unrelated seeds)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**31
-
-
 def chunk_seeds(seed: int, prompts, chunk: int) -> list[int]:
     """The request seed of each prompt record of a rollout's `chunk`-th engine call: from
     the rollout's seed, the prompt's row, the chunk and its place in it."""
@@ -120,7 +106,7 @@ def response_texts(tokenizer, samples: list[Sample]) -> list[str]:
 def reward_inputs(prompts, samples: list[Sample], texts: list[str]) -> list[RewardInput]:
     """What the reward functions score: each sample (its `prompt_index` into `prompts`, the
     prompt records) with its decoded response `texts`. The rollout and the evaluation
-    (`trainer/evaluation.py`) both score through it."""
+    (`rollout/evaluation.py`) both score through it."""
     return [
         RewardInput(
             prompt=prompts[s.prompt_index].prompt,
@@ -165,13 +151,11 @@ def generate_samples_with_rating(
     steps; without it a stop during generation waits for the chunk's generation.
     `refresh` goes to each engine call too (partial rollouts: `VLLMEngine.generate`).
     """
-    if stop_generation is not None and not engine.aborts_generation:
-        raise ValueError(f"{type(engine).__name__} cannot abort a generation: no stop_generation")
     in_engine = {} if stop_generation is None else {"should_stop": stop_generation}
     if refresh is not None:
         in_engine["refresh"] = refresh
     config = config or RatingConfig()
-    multi_turn = getattr(engine, "multi_turn", False)
+    multi_turn = engine.multi_turn
     if rollout_size < 1:
         raise ValueError(f"rollout_size must be >= 1, got {rollout_size}")
     strategy = make_strategy(config.strategy, config.strategy_options)

@@ -26,7 +26,14 @@ from dataclasses import dataclass, replace
 
 from megatron_rl.parallel.collectives import gather_over_model_parallel
 from megatron_rl.preemption import StepAborted
-from megatron_rl.rollout.vllm_engine import Sample, SamplingConfig
+from megatron_rl.rollout.types import (
+    Engine,
+    EngineWrapper,
+    Sample,
+    SamplingConfig,
+    WeightRefresh,
+    check_generate,
+)
 
 
 @dataclass(frozen=True)
@@ -81,22 +88,28 @@ class RolloutLayout:
                 )
 
 
-class ReplicaEngine:
+class ReplicaEngine(EngineWrapper):
     """The vLLM engines of one model replica, used as one engine.
 
     Dataflow of `generate(prompts)`, called by every rank of the replica with the same
     prompts: engine e takes prompts[bounds[e]:bounds[e+1]] (contiguous, sizes differing by
     at most one); its first rank contributes the samples to an all-gather over the
     replica's model-parallel group; every rank returns all samples, prompt-major, with
-    `prompt_index` into `prompts`. It waits for the slowest engine of the replica. Every
-    other attribute (sleep, wake_up, update_weights, dtype, awake, ...) is this rank's
+    `prompt_index` into `prompts`. It waits for the slowest engine of the replica. The rest
+    of the `Engine` (sleep, wake_up, update_weights, dtype, awake, ...) is this rank's
     engine's: all engines hold the same weights.
     """
 
-    def __init__(self, engine, engine_index: int, num_engines: int, is_engine_source: bool):
-        self.engine = engine
+    def __init__(self, engine: Engine, engine_index: int, num_engines: int, is_engine_source: bool):
+        super().__init__(engine)
         self.engine_index, self.num_engines = engine_index, num_engines
         self.is_engine_source = is_engine_source
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Only with one engine: a refresh loads weights between the engine's own steps,
+        which several engines of a replica would not agree on."""
+        return self.num_engines == 1 and self.inner.partial_rollouts
 
     @classmethod
     def around(cls, engine, layout: RolloutLayout, rank: int) -> ReplicaEngine:
@@ -124,9 +137,6 @@ class ReplicaEngine:
             rank % layout.vllm_tensor_parallel_size == 0,
         )
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
     def share(self, n: int) -> tuple[int, int]:
         """[lo, hi) of n prompts that this rank's engine generates."""
         e, k = self.engine_index, self.num_engines
@@ -139,26 +149,24 @@ class ReplicaEngine:
         seeds: list[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         tasks: list | None = None,
+        refresh: WeightRefresh | None = None,
     ) -> list[Sample]:
         """`should_stop` (engines with `aborts_generation` only): an engine that aborts
         still takes part in the gather, so every rank of the replica raises `StepAborted`
         together, once the replica's other engines have finished their shares. `tasks`
         (multi-turn engines, `rollout/agent.py`): one per prompt, shared like the prompts."""
-        extra = {} if should_stop is None else {"should_stop": should_stop}
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
         if self.num_engines == 1:
-            if tasks is not None:
-                extra["tasks"] = tasks
-            return self.engine.generate(prompts, sampling, seeds, **extra)
-
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+            return self.inner.generate(prompts, sampling, seeds, should_stop, tasks, refresh)
         lo, hi = self.share(len(prompts))
-        if tasks is not None:
-            extra["tasks"] = tasks[lo:hi]
         aborted = False
         try:
-            mine = self.engine.generate(
-                prompts[lo:hi], sampling, None if seeds is None else seeds[lo:hi], **extra
+            mine = self.inner.generate(
+                prompts[lo:hi],
+                sampling,
+                None if seeds is None else seeds[lo:hi],
+                should_stop,
+                None if tasks is None else tasks[lo:hi],
             )
         except StepAborted:
             mine, aborted = [], True

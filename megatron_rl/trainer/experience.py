@@ -35,6 +35,7 @@ from megatron_rl.algorithms.rollout_correction import (
     pack_diagnostics,
     turn_gap_sums,
 )
+from megatron_rl.config import TrainConfig
 from megatron_rl.data.batch import (
     TrainingBatch,
     engine_logprobs_of,
@@ -79,14 +80,16 @@ def micro_batching(role_cfg, num_microbatches: int, forward: bool = False) -> di
     return {"max_tokens": budget} if budget else {"num_microbatches": num_microbatches}
 
 
-def forward_micro_batching(config, role: str, rows: int) -> dict:
-    """Split of a forward-only pass of `role` ("actor" also for the reference) over `rows`."""
+def forward_micro_batching(config: TrainConfig, role_cfg, rows: int) -> dict:
+    """Split of a forward-only pass over `rows` of the role whose section is `role_cfg`
+    (`config.actor`, also for the reference, or `config.critic`); the count of equal
+    micro-batches is the actor's micro-batch size either way."""
     nmb = forward_microbatches(rows, config.actor.micro_batch_size)
-    return micro_batching(getattr(config, role), nmb, forward=True)
+    return micro_batching(role_cfg, nmb, forward=True)
 
 
 def make_experience(
-    groups, actor, critic, reference, config, pad_token_id: int, before_forward=None
+    groups, actor, critic, reference, config: TrainConfig, pad_token_id: int, before_forward=None
 ) -> tuple[TrainingBatch, dict[str, float]]:
     """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch, on
     the actor's device, and the experience metrics under their logged names (KL, engine vs
@@ -98,7 +101,7 @@ def make_experience(
             before_forward(role)
 
     batch, group_index = rated_to_batch(groups, pad_token_id, actor.device)
-    split = forward_micro_batching(config, "actor", len(batch))
+    split = forward_micro_batching(config, config.actor, len(batch))
     mask = batch.response_mask
     samples = [r.sample for g in groups for r in g]
     engine_lp = engine_logprobs_of(samples, batch)
@@ -123,7 +126,7 @@ def make_experience(
     if critic is not None:
         starting("critic")
         values = critic.compute_values(
-            batch, **forward_micro_batching(config, "critic", len(batch))
+            batch, **forward_micro_batching(config, config.critic, len(batch))
         )
         fields["old_values"] = values
     step_rewards = step_rewards_of(samples, batch)

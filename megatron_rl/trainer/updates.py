@@ -4,13 +4,50 @@ abort points, the NaN/Inf streak guard and the mean of per-update metric records
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+import torch
+
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.parallel.collectives import balance_over_data_parallel
 from megatron_rl.preemption import StepAborted
 
 
+@dataclass(frozen=True)
+class UpdateControl:
+    """What an update loop needs of the run besides its roles and data."""
+
+    abort_point: Callable[[str], None]
+    """Raises `StepAborted(phase)` on every rank when some rank saw a stop request (a world
+    collective: every rank reaches each call)."""
+    rewindable: bool
+    """`trainer.rewindable_update`: a stop between mini-batches rewinds the step's updates."""
+    verbose: bool
+    """This rank says what it does (rank 0)."""
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """How one step's batch is cut for the updates on this data-parallel rank."""
+
+    per_rank: int
+    """Sequences of a mini-batch on this rank (`actor.ppo_mini_batch_size` / DP)."""
+    micro_batches: int
+    """Micro-batches per mini-batch (without a token budget)."""
+    generator: torch.Generator
+    """Shuffles the mini-batches (seeded by stage and step: a redone step draws the same)."""
+    balance: bool
+    """Whether the batch is balanced over DP ranks by tokens first (`trainer.balance_batch`)."""
+
+
+def balanced(batch: TrainingBatch, plan: MiniBatchPlan) -> tuple[TrainingBatch, dict[str, float]]:
+    """The batch balanced over DP ranks when the plan says so, and the balance's metrics."""
+    return balance_over_data_parallel(batch) if plan.balance else (batch, {})
+
+
 def optimizer_steps(
-    trainer, roles: list, mini_batches: Iterable, count: int
+    roles: list, mini_batches: Iterable, count: int, control: UpdateControl
 ) -> tuple[list[list[dict]], dict[str, float]]:
     """Each of the `count` mini-batches' gradients for every role, then each role's optimizer
     step. `roles`: (role, loss config, micro-batching kwargs) per trained role; returns each
@@ -24,21 +61,21 @@ def optimizer_steps(
     every role to that copy, the step's start, before the trainer saves. The abort points
     are world collectives: every rank runs as many mini-batches."""
     records = [[] for _ in roles]
-    rewindable = trainer.config.trainer.rewindable_update and count > 1
+    rewindable = control.rewindable and count > 1
     metrics = {}
     for i, mb in enumerate(mini_batches):
         if i and rewindable:
             try:
-                trainer.abort_point("train/mini_batch")
+                control.abort_point("train/mini_batch")
             except StepAborted:
-                if trainer.ctx.rank == 0:
+                if control.verbose:
                     print(f"rewinding the step's {i} optimizer update(s)", flush=True)
                 for role, _, _ in roles:
                     role.rewind_updates()
                 raise
         gradients = [role.compute_gradients(mb, cfg, **split) for role, cfg, split in roles]
         if i == 0:
-            trainer.abort_point("train/optimizer_step")  # nothing has changed yet
+            control.abort_point("train/optimizer_step")  # nothing has changed yet
             if rewindable:
                 start = time.perf_counter()
                 for role, _, _ in roles:

@@ -25,7 +25,7 @@ from megatron_rl.data.batch import (
     step_rewards_of,
     turn_index_of,
 )
-from megatron_rl.rollout.vllm_engine import Sample
+from megatron_rl.rollout.types import Sample
 from tests.tolerances import assert_close
 
 DTYPE = torch.float64

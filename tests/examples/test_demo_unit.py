@@ -187,7 +187,7 @@ def test_the_warm_start_leaves_the_tools_answers_out_of_its_loss(tiny_tools_mode
 
     from examples.demo.sft import gold_response
     from megatron_rl.data.batch import samples_to_batch
-    from megatron_rl.rollout.vllm_engine import Sample
+    from megatron_rl.rollout.types import Sample
 
     tok = AutoTokenizer.from_pretrained(tiny_tools_model_dir)
     text = jsonl(DATA / "tool_sums_train.jsonl")

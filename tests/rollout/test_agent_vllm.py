@@ -27,7 +27,7 @@ from megatron_rl.rollout.agent import (
     run_turns,
 )
 from megatron_rl.rollout.tool_formats import ToolFormat, truncate
-from megatron_rl.rollout.vllm_engine import SamplingConfig
+from megatron_rl.rollout.types import SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm

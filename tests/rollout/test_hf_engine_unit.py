@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.rollout.hf_engine import HFEngine, processed_logprobs
-from megatron_rl.rollout.vllm_engine import EngineAsleep, EngineConfig, SamplingConfig
+from megatron_rl.rollout.types import EngineAsleep, EngineConfig, SamplingConfig
 
 PROMPTS = [[5, 17, 42, 8], [3, 99, 150], [7, 7, 7, 7, 7, 21], [250]]
 

@@ -17,7 +17,7 @@ from megatron_rl.rewards import (
     make_scoring_pool,
 )
 from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
-from megatron_rl.rollout.vllm_engine import SamplingConfig
+from megatron_rl.rollout.types import SamplingConfig
 
 pytestmark = pytest.mark.vllm
 

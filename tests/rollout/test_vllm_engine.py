@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_rl.preemption import StepAborted
-from megatron_rl.rollout.vllm_engine import ABORT_CHECK_STEPS, SamplingConfig
+from megatron_rl.rollout.types import ABORT_CHECK_STEPS, SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm
@@ -86,7 +86,7 @@ def test_engine_logprobs_are_of_the_tempered_truncated_distribution(
 
 
 def test_an_engine_asleep_refuses_work_until_woken(engine, prompts):
-    from megatron_rl.rollout.vllm_engine import EngineAsleep
+    from megatron_rl.rollout.types import EngineAsleep
 
     engine.sleep(level=2)
     try:
@@ -157,6 +157,9 @@ class Refresh:
         self.engine.update_weights(iter(self.weights.items()))
         self.version += 1
         return self.version
+
+    def next_round(self):
+        return None
 
 
 @pytest.fixture(scope="module")

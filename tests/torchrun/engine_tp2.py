@@ -13,7 +13,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 44, 8, 21, 7, 6]]
 

@@ -83,7 +83,8 @@ def main():
     else:
         # why here: vLLM is slow to import and only the engine rank runs it
         from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
-        from megatron_rl.rollout.vllm_engine import EngineConfig, VLLMEngine
+        from megatron_rl.rollout.types import EngineConfig
+        from megatron_rl.rollout.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(a.hf_dir, EngineConfig(max_model_len=256, external_launcher=True))
         before = engine_token_logprobs(engine, batch)

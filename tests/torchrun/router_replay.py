@@ -19,7 +19,8 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
 from tests.torchrun.weight_sync import LAYOUTS as WEIGHT_SYNC_LAYOUTS

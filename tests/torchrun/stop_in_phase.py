@@ -34,9 +34,10 @@ import time
 from collections.abc import Callable
 
 from megatron_rl.preemption import STOP, request_stop, stop_file
+from megatron_rl.rollout.service import engine_worker
+from megatron_rl.rollout.service.engine_worker import EngineWorker
+from megatron_rl.rollout.service.service import LocalRollout
 from megatron_rl.rollout.vllm_engine import VLLMEngine
-from megatron_rl.trainer import engine_worker
-from megatron_rl.trainer.engine_worker import EngineWorker
 from megatron_rl.trainer.runner import RLTrainer
 
 
@@ -56,8 +57,9 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
     def ask() -> None:
         at_point(rank["r"])
 
-    abort_point, in_replica = RLTrainer.abort_point, RLTrainer.stop_requested_in_replica
+    abort_point, in_replica = RLTrainer.abort_point, LocalRollout.stop_requested_in_replica
     calls = {"n": 0}
+    generating = {"trainer": None}  # the trainer whose rollout is running
 
     def abort_point_asking(self, name, aborted=False):
         if name == phase and arrived(self):
@@ -67,7 +69,8 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
     def in_replica_asking(self):
         # the rating loop asks before its one chunk is generated (call 1), then before the
         # chunk's scores are collected (call 2)
-        if phase == "rollout/score" and arrived(self):
+        trainer = generating["trainer"]
+        if phase == "rollout/score" and trainer is not None and arrived(trainer):
             calls["n"] += 1
             if calls["n"] == 2:
                 ask()
@@ -87,10 +90,11 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
 
     def generate_and_score_arming(self, *args, **kwargs):
         armed["on"] = phase == "rollout/generate" and arrived(self)
+        generating["trainer"] = self
         try:
             return generate_and_score(self, *args, **kwargs)
         finally:
-            armed["on"] = False
+            armed["on"], generating["trainer"] = False, None
 
     def any_engine_rank_asking(flag: bool) -> bool:
         if armed["on"]:
@@ -114,7 +118,7 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
 
     EngineWorker.generate = engine_generate_arming
     RLTrainer.abort_point = abort_point_asking
-    RLTrainer.stop_requested_in_replica = in_replica_asking
+    LocalRollout.stop_requested_in_replica = in_replica_asking
     RLTrainer.generate_and_score = generate_and_score_arming
     RLTrainer.save = save_asking
     VLLMEngine._any_engine_rank = staticmethod(any_engine_rank_asking)
@@ -152,6 +156,9 @@ class PushInsideRound:
 
     def load(self) -> int:
         return self.inner.load()
+
+    def next_round(self) -> None:
+        return None
 
 
 def push_inside_rounds() -> None:

@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 44, 8, 21, 7, 6]]
 

@@ -18,7 +18,8 @@ from megatron_rl.models.hf_mapping import HFCheckpointReader
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
-from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig

@@ -1,7 +1,7 @@
 """One step's rollout as both placements make it: the engine built from the run's config,
 the sampling settings, and `generate_round`, the rated groups of one model replica's share of
 a step's prompts. Colocated, every trainer rank calls it (`trainer/runner.py`); disaggregated,
-the engine ranks do (`trainer/engine_worker.py`), so both draw the same prompts with the same
+the engine ranks do (`rollout/service/engine_worker.py`), so both draw the same prompts with the same
 request seeds and give the same samples for the same weights."""
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ from megatron_rl.envs.code_interpreter import TOOL_SCHEMA
 from megatron_rl.envs.pool import EnvPool
 from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.agent import AgentEngine, AgentSpec, EnvSteps, SharedEnvSteps
+from megatron_rl.rollout.evaluation import EVAL_STAGE, Evaluator
 from megatron_rl.rollout.hf_engine import HFEngine
-from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating, request_seed
+from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating
 from megatron_rl.rollout.tool_formats import call_end_id, tool_format
-from megatron_rl.rollout.vllm_engine import (
-    EngineConfig,
-    SamplingConfig,
-    VLLMEngine,
-    WeightRefresh,
-)
-from megatron_rl.trainer.evaluation import EVAL_STAGE, Evaluator
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig, WeightRefresh, request_seed
+from megatron_rl.rollout.vllm_engine import VLLMEngine
 
 STAGES = {"value_pretrain": 1, "train": 2, "eval": EVAL_STAGE}
 """Each stage's part of the request seeds: a step of one stage never repeats another's."""

@@ -1,8 +1,8 @@
 """Unit tier: how the trainers of a disaggregated placement take the engine replicas'
-answers (`trainer/disaggregated.py`, `deal`): groups in replica order, equal contiguous
+answers (`rollout/service/protocol.py`, `deal`): groups in replica order, equal contiguous
 shares per DP rank, metrics averaged, the furthest data position, an abort passed on."""
 
-from megatron_rl.trainer.disaggregated import Rated, deal, furthest
+from megatron_rl.rollout.service.protocol import Rated, deal, furthest
 
 
 def position(epoch: int, index: int) -> dict:

@@ -2,7 +2,7 @@
 generates and scores. It holds its part of a rollout engine (vLLM TP t: t consecutive engine
 ranks form one engine, a *replica*), the tokenizer, the prompts and, on a replica's first
 rank, the reward pool; no Megatron, no checkpoint. Every rank of a replica carries out trainer
-rank 0's commands (`trainer/disaggregated.py`) in step, as vLLM's TP needs; the first answers
+rank 0's commands (`rollout/service/protocol.py`) in step, as vLLM's TP needs; the first answers
 for the replica. Until told to shut down.
 
 With `async.partial_rollout` the worker is also its engine's `WeightRefresh`: asked inside a
@@ -24,11 +24,7 @@ from megatron_rl.parallel.placement import Placement
 from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards.pool import make_scoring_pool
 from megatron_rl.rollout.rating import chunk_seeds
-from megatron_rl.rollout.shm import ShmRecord
-from megatron_rl.rollout.strategies import make_strategy
-from megatron_rl.sync.weight_push import broadcast_object, post_object, receive_weights
-from megatron_rl.sync.weight_sync import checked
-from megatron_rl.trainer.disaggregated import (
+from megatron_rl.rollout.service.protocol import (
     DOORBELL_KEY,
     Evaluate,
     Generate,
@@ -39,7 +35,7 @@ from megatron_rl.trainer.disaggregated import (
     Weights,
     cross_role_groups,
 )
-from megatron_rl.trainer.rounds import (
+from megatron_rl.rollout.service.rounds import (
     DataParallelShard,
     build_engine,
     build_evaluator,
@@ -47,6 +43,10 @@ from megatron_rl.trainer.rounds import (
     prompt_tools,
     round_seed,
 )
+from megatron_rl.rollout.shm import ShmRecord
+from megatron_rl.rollout.strategies import make_strategy
+from megatron_rl.sync.weight_push import broadcast_object, post_object, receive_weights
+from megatron_rl.sync.weight_sync import checked
 
 
 class EngineShutdown(Exception):

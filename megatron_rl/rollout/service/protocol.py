@@ -1,6 +1,6 @@
 """The two roles of a disaggregated placement talking (docs/design/async.md §3): the
 trainers' side (`EngineRanks`) and what passes between them and the engine ranks
-(`trainer/engine_worker.py`).
+(`rollout/service/engine_worker.py`).
 
 Two groups span the roles, both made on the job's store (`parallel/placement.py`) with
 trainer rank 0 as rank 0 and engine rank e as rank 1 + e: the *stream* (gloo always: commands

@@ -19,8 +19,8 @@ import torch
 
 from megatron_rl.envs.base import Task
 from megatron_rl.parallel.collectives import data_parallel_sum
-from megatron_rl.rollout.rating import request_seed, response_texts, reward_inputs
-from megatron_rl.rollout.vllm_engine import SamplingConfig
+from megatron_rl.rollout.rating import response_texts, reward_inputs
+from megatron_rl.rollout.types import SamplingConfig, request_seed
 
 EVAL_STAGE = 3
 """The evaluation's part of every request seed (value pretraining 1, PPO 2: `runner.STAGES`)."""
@@ -170,7 +170,7 @@ class Evaluator:
                 [p.prompt_token_ids for p in batch],
                 sampling,
                 seeds[start : start + chunk] if seeded else None,  # greedy needs none
-                **({"tasks": tasks} if getattr(self.engine, "multi_turn", False) else {}),
+                **({"tasks": tasks} if self.engine.multi_turn else {}),
             )
             samples += [replace(s, prompt_index=s.prompt_index + start) for s in part]
         if seeded:

@@ -1,5 +1,5 @@
-"""Unit tier: the disaggregated placement's protocol (`trainer/disaggregated.py`,
-`trainer/engine_worker.py`) run as written, both sides: the trainers' `EngineRanks` against
+"""Unit tier: the disaggregated placement's protocol (`rollout/service/protocol.py`,
+`rollout/service/engine_worker.py`) run as written, both sides: the trainers' `EngineRanks` against
 one `EngineWorker` loop per engine replica, each in a thread, joined by channels where a
 send waits for its receive, as a gloo send does. Generation, weights and the trainers' own
 collectives are replaced (their tests are the distributed ones); what runs is the real
@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.trainer import disaggregated, engine_worker
-from megatron_rl.trainer.disaggregated import DOORBELL_KEY, EngineRanks, Rated
-from megatron_rl.trainer.engine_worker import EngineWorker
+from megatron_rl.rollout.service import engine_worker, protocol
+from megatron_rl.rollout.service.engine_worker import EngineWorker
+from megatron_rl.rollout.service.protocol import DOORBELL_KEY, EngineRanks, Rated
 
 TIMEOUT_S = 10.0
 
@@ -140,12 +140,12 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
 
     monkeypatch.setattr(engine_worker, "broadcast_object", engine_broadcast)
     monkeypatch.setattr(engine_worker, "post_object", engine_post)
-    monkeypatch.setattr(disaggregated, "broadcast_object", trainer_broadcast)
-    monkeypatch.setattr(disaggregated, "push_weights", trainer_push)
+    monkeypatch.setattr(protocol, "broadcast_object", trainer_broadcast)
+    monkeypatch.setattr(protocol, "push_weights", trainer_push)
     monkeypatch.setattr(
-        disaggregated, "recv_object", lambda group, src: engines[src - 1].to_trainer.recv()
+        protocol, "recv_object", lambda group, src: engines[src - 1].to_trainer.recv()
     )
-    monkeypatch.setattr(disaggregated, "all_stage_tensors", lambda *args: iter(()))
+    monkeypatch.setattr(protocol, "all_stage_tensors", lambda *args: iter(()))
     # one trainer rank: its own collectives hand over what it has
     monkeypatch.setattr(torch.distributed, "scatter_object_list", lambda out, inp, src: out.__setitem__(0, inp[0]))  # fmt: skip
     monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda objs, src: None)
@@ -303,8 +303,8 @@ def test_the_next_round_is_named_once_the_version_held_admits_it():
     call (`generate_samples_with_rating`)."""
     from megatron_rl.data import PromptStream
     from megatron_rl.rollout.rating import chunk_seeds
-    from megatron_rl.trainer.disaggregated import Rounds
-    from megatron_rl.trainer.rounds import DataParallelShard, round_seed
+    from megatron_rl.rollout.service.protocol import Rounds
+    from megatron_rl.rollout.service.rounds import DataParallelShard, round_seed
 
     w = EngineWorker.__new__(EngineWorker)
     w.config = SimpleNamespace(

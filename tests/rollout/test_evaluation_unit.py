@@ -7,7 +7,7 @@ from itertools import combinations
 import pytest
 import torch
 
-from megatron_rl.trainer.evaluation import eval_summary, eval_sums, pass_at_k
+from megatron_rl.rollout.evaluation import eval_summary, eval_sums, pass_at_k
 
 
 def pass_at_k_by_enumeration(n: int, correct: int, k: int) -> float:
@@ -65,11 +65,13 @@ def test_sums_from_two_ranks_add_up_to_the_summary_of_all_prompts():
 class _Engine:
     """Two samples per prompt: the response is the prompt's ids, then `n` more tokens."""
 
+    multi_turn = False
+
     def __init__(self):
         self.calls = []
 
     def generate(self, prompts, sampling, seeds=None):
-        from megatron_rl.rollout.vllm_engine import Sample
+        from megatron_rl.rollout.types import Sample
 
         self.calls.append((len(prompts), seeds))
         return [
@@ -106,8 +108,8 @@ def test_the_evaluator_scores_each_prompts_samples_with_that_prompts_label(monke
     from types import SimpleNamespace
 
     from megatron_rl.config import EvalSetConfig
-    from megatron_rl.trainer import evaluation
-    from megatron_rl.trainer.evaluation import Evaluator
+    from megatron_rl.rollout import evaluation
+    from megatron_rl.rollout.evaluation import Evaluator
 
     monkeypatch.setattr(evaluation, "data_parallel_sum", lambda t: t)  # one rank, no group
 
