@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     # leaves: the standard library and torch only
     (
         "megatron_rl",
+        "megatron_rl.child_process",
         "megatron_rl.fsutil",
         "megatron_rl.numerics",
         "megatron_rl.procutil",

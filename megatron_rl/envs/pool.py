@@ -19,17 +19,13 @@ exception raised by the environment (its bug) ends it; a reset that failed gives
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
+from megatron_rl.child_process import ChildDied, ChildProcess, ChildStartError
 from megatron_rl.envs.base import StepResult
-from megatron_rl.envs.worker import READY
 
 
 class EnvWorkerError(RuntimeError):
@@ -49,49 +45,22 @@ START_TIMEOUT_S = 120.0
 """For a worker to import and build its environment (a cold import of a big package)."""
 
 
-class _Worker:
-    """One worker process, the pipes to it, and the request it is running."""
+class _Worker(ChildProcess):
+    """A worker process (`envs/worker.py`) and the request it is running."""
 
     def __init__(self, config):
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        env = dict(os.environ)
-        # The worker imports the user's environment module the way the rank does.
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rl.envs.worker", str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: killed whole on a timeout
-        )
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.send = Connection(to_child_w, readable=False)
-        self.recv = Connection(from_child_r, writable=False)
-        self.job: tuple | None = None  # (key, request, deadline)
-        self.send.send(config)
-        reply = self.recv.recv() if self.recv.poll(START_TIMEOUT_S) else "no answer"
-        if reply != READY:
-            self.kill()
-            why = reply[1] if isinstance(reply, tuple) else f"{reply} in {START_TIMEOUT_S:g} s"
+        try:
+            super().__init__("megatron_rl.envs.worker", config, START_TIMEOUT_S)
+        except ChildStartError as e:
+            why = str(e)
             if not why.startswith("environment "):
                 why = f"environment {config.display_name!r}: {why}"
-            raise EnvWorkerError(why)
+            raise EnvWorkerError(why) from None
+        self.job: tuple | None = None  # (key, request, deadline)
 
     def start(self, key, request, step_timeout_s: float) -> None:
-        self.send.send(request)
+        self.send(request)
         self.job = (key, request, time.monotonic() + step_timeout_s)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        self.send.close()
-        self.recv.close()
 
 
 class EnvPool:
@@ -132,8 +101,7 @@ class EnvPool:
                 raise EnvWorkerError("environment pool has no worker (num_workers 0)")
             nearest = min(w.job[2] for w in busy)
             wait_s = max(0.0, min(end, nearest) - time.monotonic())
-            for conn in wait([w.recv for w in busy], wait_s):
-                worker = next(w for w in busy if w.recv is conn)
+            for worker in wait(busy, wait_s):
                 done.append(self._receive(worker))
             now = time.monotonic()
             for worker in busy:
@@ -175,31 +143,26 @@ class EnvPool:
     def _receive(self, worker: _Worker) -> tuple:
         key, request, _ = worker.job
         try:
-            reply = worker.recv.recv()
-        except (EOFError, OSError):
-            return self._fail(worker, "died")
+            reply = worker.receive()
+        except ChildDied as e:
+            return self._fail(worker, "died", e.exit_code)
         worker.job = None
         if isinstance(reply, tuple) and reply[:1] == ("error",):
             return key, self._failure(request, "env_error", reply[1])
         return key, reply
 
-    def _fail(self, worker: _Worker, status: str) -> tuple:
-        """The worker's request failed (`status`): the worker is replaced."""
+    def _fail(self, worker: _Worker, status: str, exit_code: int | None = None) -> tuple:
+        """The worker's request failed (`status`; a dead worker's `exit_code`): the worker is
+        replaced."""
         key, request, _ = worker.job
         worker.job = None
-        code = None
-        if status == "died":  # its pipe closed: the process is exiting, its code is near
-            try:
-                code = worker.proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
         worker.kill()
         self.workers[self.workers.index(worker)] = self._fresh()
         limit = self.config.step_timeout_s
         message = (
             f"environment did not answer within {limit:g} s"
             if status == "timeout"
-            else f"environment worker died (exit code {code})"
+            else f"environment worker died (exit code {exit_code})"
         )
         return key, self._failure(request, status, message)
 

@@ -5,88 +5,33 @@ holds the GIL (a catastrophic regular expression, a solver): SIGALRM is only han
 bytecodes, and a thread cannot be killed. So user (`python`) and `math` functions with a
 `timeout_s` run in a child process: the trainer sends it a batch, the child streams back one
 result per sample (one per batch for batched functions), and a result that does not arrive in
-time gets the child SIGKILLed and restarted; that sample (or batch) counts as a failure and
-the rest of the batch goes to the new child. A child that dies (segfault, `os._exit`) is a
-failure of the sample it was scoring, not of the run.
+time gets the child SIGKILLed (with its process group) and restarted; that sample (or batch)
+counts as a failure and the rest of the batch goes to the new child. A child that dies
+(segfault, `os._exit`) is a failure of the sample it was scoring, not of the run.
 
-The child is a plain `python -m megatron_rl.rewards.isolated`, not a fork of the trainer (which
-holds threads, process groups and a vLLM engine); it builds the function from its config, so
-import errors still surface when the scorer is built, before any model.
+The child is a `child_process.ChildProcess` running `python -m megatron_rl.rewards.isolated`,
+not a fork of the trainer; it builds the function from its config, so import errors still
+surface when the scorer is built, before any model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
-from multiprocessing.connection import Connection
+from collections.abc import Iterator
 
-from megatron_rl.procutil import outlive_job_signals
+from megatron_rl.child_process import (
+    ChildDied,
+    ChildProcess,
+    ChildStartError,
+    ChildTimeout,
+    serve,
+)
 from megatron_rl.rewards.base import RewardFunction, RewardInput, finite_scores
-
-READY = "ready"
 
 
 class RewardWorkerError(ValueError):
     """The child could not build the reward function (bad import path, bad option)."""
-
-
-class _Child:
-    """One child process and the two pipes to it."""
-
-    def __init__(self, config, start_timeout_s: float):
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        env = dict(os.environ)
-        # The child imports the user's module the way the trainer did.
-        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "megatron_rl.rewards.isolated",
-                str(to_child_r),
-                str(from_child_w),
-            ],
-            pass_fds=(to_child_r, from_child_w),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.send, self.recv = (
-            Connection(to_child_w, readable=False),
-            Connection(from_child_r, writable=False),
-        )
-        self.send.send(config)
-        reply = self.receive(start_timeout_s)
-        if reply != READY:
-            self.kill()
-            raise RewardWorkerError(
-                f"reward function {config.display_name!r}: "
-                + (reply[1] if isinstance(reply, tuple) else reply)
-            )
-
-    def receive(self, timeout_s: float | None):
-        """The child's next message, or a string saying why there is none (the child is then
-        killed)."""
-        try:
-            if self.recv.poll(timeout_s):
-                return self.recv.recv()
-        except (EOFError, OSError):
-            code = self.proc.wait()
-            return f"its worker process died (exit code {code})"
-        self.kill()
-        return f"RewardTimeout: took longer than {timeout_s:g} s (its worker process was killed)"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.send.close()
-        self.recv.close()
 
 
 class IsolatedRewardFunction(RewardFunction):
@@ -100,12 +45,18 @@ class IsolatedRewardFunction(RewardFunction):
         super().__init__(config.display_name, config.timeout_s)
         self.config = config
         self.batched = bool(getattr(config, "batched", False))
-        self.child: _Child | None = _Child(config, self.START_TIMEOUT_S)
+        self.child: ChildProcess | None = self._start()
         self.restarts = 0
 
-    def _child(self) -> _Child:
+    def _start(self) -> ChildProcess:
+        try:
+            return ChildProcess("megatron_rl.rewards.isolated", self.config, self.START_TIMEOUT_S)
+        except ChildStartError as e:
+            raise RewardWorkerError(f"reward function {self.name!r}: {e}") from None
+
+    def _child(self) -> ChildProcess:
         if self.child is None:
-            self.child = _Child(self.config, self.START_TIMEOUT_S)
+            self.child = self._start()
             self.restarts += 1
         return self.child
 
@@ -116,15 +67,19 @@ class IsolatedRewardFunction(RewardFunction):
         replies: list[tuple] = []
         while len(replies) < expected:
             child = self._child()
-            child.send.send(batch if self.batched else batch[len(replies) :])
+            child.send(batch if self.batched else batch[len(replies) :])
             while len(replies) < expected:
-                reply = child.receive(self.timeout_s)
-                if isinstance(reply, str):
-                    self.child = None
-                    child.kill()
-                    replies.append((None, reply))
-                    break
-                replies.append(reply)
+                try:
+                    replies.append(child.receive(self.timeout_s))
+                    continue
+                except ChildTimeout:
+                    limit = f"{self.timeout_s:g} s"
+                    why = f"RewardTimeout: took longer than {limit} (its worker process was killed)"
+                except ChildDied as e:
+                    why = f"its worker process died (exit code {e.exit_code})"
+                self.child = None  # killed and reaped: the next samples go to a fresh child
+                replies.append((None, why))
+                break
         return replies
 
     def __call__(self, batch: list[RewardInput]) -> tuple[list[float], list[str | None]]:
@@ -147,40 +102,31 @@ class IsolatedRewardFunction(RewardFunction):
 # ---------------------------------------------------------------------------- the child side
 
 
-def _score(fn: RewardFunction, batch: list[RewardInput], out: Connection) -> None:
+def _build(config) -> RewardFunction:
+    # The parent enforces the time limit by killing this process: no limit inside it.
+    return dataclasses.replace(config, timeout_s=None).build()
+
+
+def _score(fn: RewardFunction, batch: list[RewardInput]) -> Iterator[tuple]:
+    """The replies to `batch`: (values, error) for a batched function, else (value, error)
+    per sample, each yielded (so sent) as soon as it is scored."""
     if fn.batched:
         try:
             values = [float(v) for v in fn.score_batch(batch)]
             if len(values) != len(batch):
                 raise ValueError(f"returned {len(values)} scores for {len(batch)} samples")
-            out.send((values, None))
+            reply = (values, None)
         except Exception as e:
-            out.send((None, f"{type(e).__name__}: {e}"))
+            reply = (None, f"{type(e).__name__}: {e}")
+        yield reply
         return
     for sample in batch:
         try:
-            out.send((float(fn.score_one(sample)), None))
+            reply = (float(fn.score_one(sample)), None)
         except Exception as e:
-            out.send((math.nan, f"{type(e).__name__}: {e}"))
-
-
-def child_main(read_fd: int, write_fd: int) -> None:
-    outlive_job_signals()
-    inbox, out = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    config = inbox.recv()
-    try:
-        fn = dataclasses.replace(config, timeout_s=None).build()
-    except Exception as e:
-        out.send(("error", str(e)))
-        return
-    out.send(READY)
-    while True:
-        try:
-            batch = inbox.recv()
-        except EOFError:  # the trainer closed the pipe: done
-            return
-        _score(fn, batch, out)
+            reply = (math.nan, f"{type(e).__name__}: {e}")
+        yield reply
 
 
 if __name__ == "__main__":
-    child_main(int(sys.argv[1]), int(sys.argv[2]))
+    serve(_build, _score)

@@ -40,7 +40,7 @@ def test_the_step_watchdog_names_the_phase_where_each_rank_is_and_who_did_not_ar
     ), output
     # rank 1 waits for its reward function's child process (rewards/isolated.py)
     assert re.search(
-        r"rank 1, train step 1 / rollout: at megatron_rl/rewards/isolated.py:\d+ receive", output
+        r"rank 1, train step 1 / rollout: at megatron_rl/child_process.py:\d+ receive", output
     ), output
     assert re.search(
         rf"ranks \[0\] wait in all_reduce from {collectives}:\d+ any_rank; "
