@@ -23,7 +23,7 @@ from megatron_rl.rollout.rating import response_texts, reward_inputs
 from megatron_rl.rollout.types import SamplingConfig, request_seed
 
 EVAL_STAGE = 3
-"""The evaluation's part of every request seed (value pretraining 1, PPO 2: `runner.STAGES`)."""
+"""The evaluation's part of every request seed (value pretraining 1, PPO 2: `rollout.service.STAGES`)."""
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

@@ -100,14 +100,11 @@ class RunParts:
 
 class RLTrainer:
     def __init__(self, parts: RunParts):
+        """A run at its start (`trainer/build.py` makes the parts, then resumes it)."""
         p = parts
-        self.config, self.ctx, self.watchdog, self.tokenizer = (
-            p.config,
-            p.ctx,
-            p.watchdog,
-            p.tokenizer,
-        )
-        self.prompts, self.roles, self.rollout = p.prompts, p.roles, p.rollout
+        self.config, self.ctx, self.watchdog = p.config, p.ctx, p.watchdog
+        self.tokenizer, self.prompts, self.roles = p.tokenizer, p.prompts, p.roles
+        self.rollout: RolloutService = p.rollout
         self.checkpoints, self.logger, self.memory = p.checkpoints, p.logger, p.memory
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.step = 0
@@ -116,7 +113,7 @@ class RLTrainer:
         self.saved_progress: int | None = None
         """The progress (value-pretraining + PPO steps) of the last save or resume."""
 
-    # ------------------------------------------------------------------ set-up helpers
+    # ------------------------------------------------------------------ stop requests
 
     def stop_requested_anywhere(self) -> bool:
         """A stop request (`megatron_rl.preemption`) reached some rank: asked at step

@@ -1,8 +1,8 @@
 """One step's rollout as both placements make it: the engine built from the run's config,
 the sampling settings, and `generate_round`, the rated groups of one model replica's share of
-a step's prompts. Colocated, every trainer rank calls it (`trainer/runner.py`); disaggregated,
-the engine ranks do (`rollout/service/engine_worker.py`), so both draw the same prompts with the same
-request seeds and give the same samples for the same weights."""
+a step's prompts. Colocated, every trainer rank calls it (`LocalRollout`); disaggregated, the
+engine ranks do (`engine_worker.py`), so both draw the same prompts with the same request
+seeds and give the same samples for the same weights."""
 
 from __future__ import annotations
 
