@@ -50,6 +50,7 @@ def worker(a) -> None:
     from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
     from megatron_rl.rollout.vllm_engine import EngineConfig, SamplingConfig, VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
+    from megatron_rl.workers.spec import RoleModel
 
     arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(
@@ -58,7 +59,7 @@ def worker(a) -> None:
     ctx = distributed.initialize(layout, arch=arch)
     # forward-only: no optimizer state needed
     policy = ReferencePolicy(
-        arch=arch, layout=layout, model_path=a.hf_dir, temperature=a.temperature
+        RoleModel(arch, layout, model_path=a.hf_dir), temperature=a.temperature
     )
     engine = VLLMEngine(
         a.hf_dir,

@@ -10,6 +10,7 @@ and loss normalisation use DP-global statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -88,6 +89,7 @@ from megatron_rl.trainer.value_pretrain import run_value_pretraining
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.policy import Actor, ReferencePolicy
+from megatron_rl.workers.spec import RoleModel
 
 MEMORY_TIMELINE = "memory_timeline.jsonl"
 
@@ -155,31 +157,25 @@ class RLTrainer:
         if t.overwrite and self.ctx.rank == 0:  # only once the run's inputs proved usable
             clear_previous_run(t.output_dir)
         torch.distributed.barrier()
-        precision = c.model.precision
-        recompute = c.model.recompute
         temperature = c.rollout.temperature
-        self.actor = Actor(
+        model = RoleModel(
             arch=arch,
             layout=layout,
             model_path=c.model.path,
-            precision=precision,
-            optim=scheduled_optim(c, "actor"),
-            recompute=recompute,
-            temperature=temperature,
+            precision=c.model.precision,
+            recompute=c.model.recompute,
             moe=c.model.moe,
-            router_replay=c.actor.router_replay,
             use_remove_padding=c.model.use_remove_padding,
         )
+        self.actor = Actor(
+            model,
+            optim=scheduled_optim(c, "actor"),
+            temperature=temperature,
+            router_replay=c.actor.router_replay,
+        )
         self.reference = (
-            ReferencePolicy(
-                arch=arch,
-                layout=layout,
-                model_path=c.model.path,
-                precision=precision,
-                temperature=temperature,
-                moe=c.model.moe,
-                use_remove_padding=c.model.use_remove_padding,
-            )
+            # forward only: model.recompute is the trained roles'
+            ReferencePolicy(dataclasses.replace(model, recompute=None), temperature=temperature)
             if c.use_reference
             else None
         )
@@ -188,14 +184,8 @@ class RLTrainer:
             critic_path = c.model.critic_path or c.model.path
             critic_arch = ModelSource(critic_path).architecture()
             self.critic = Critic(
-                arch=critic_arch,
-                layout=layout,
-                model_path=critic_path,
-                precision=precision,
+                dataclasses.replace(model, arch=critic_arch, model_path=critic_path),
                 optim=scheduled_optim(c, "critic"),
-                recompute=recompute,
-                moe=c.model.moe,
-                use_remove_padding=c.model.use_remove_padding,
             )
         r = c.rollout
         if r.truncated and c.algorithm.rollout_correction.rollout_is is None and self.ctx.rank == 0:
