@@ -18,6 +18,7 @@ from megatron_rl.models.lm_head import emit_hidden_states
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tests.tolerances import BF16_MODEL, assert_close
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +62,7 @@ def test_bf16_actor_step_runs_and_matches_fp32_logits(single_rank, tiny_model_di
     load_hf_into_megatron(fp32, tiny_model_dir, arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(
-        arch=arch, layout=distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16
+        RoleModel(arch, distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16)
     )
     emit_hidden_states(actor.chunks, on=False)  # logits, as the fp32 model gives
     assert_close(forward(actor.chunks, ids), forward(fp32, ids), BF16_MODEL)
@@ -102,7 +103,7 @@ def test_te_grouped_experts_load_and_match_the_local_experts_in_bf16(single_rank
     load_hf_into_megatron(te, hf, arch)
     ids = tokens(arch)
     assert_close(forward(te, ids), forward(local, ids), BF16_MODEL)
-    actor = Actor(arch=arch, layout=layout, model_path=hf, precision=bf16)
+    actor = Actor(RoleModel(arch, layout, model_path=hf, precision=bf16))
     metrics = actor.update(cuda_global_batch(arch), PolicyLossConfig(), num_microbatches=2)
     assert metrics["update_ok"]
 
@@ -117,7 +118,7 @@ def test_fp8_actor_step_runs(single_rank, tiny_model_dir):
     layout = distributed.ParallelLayout()
     distributed.initialize(layout, arch=arch)
     fp8 = PrecisionConfig(params_dtype=torch.bfloat16, fp8="hybrid", fp8_recipe="tensorwise")
-    actor = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=fp8)
+    actor = Actor(RoleModel(arch, layout, model_path=tiny_model_dir, precision=fp8))
     batch = cuda_global_batch(arch)  # S=23: padded to 16-multiples by the actor
     metrics = actor.update(batch, PolicyLossConfig(), num_microbatches=2)
     assert metrics["update_ok"]
@@ -138,14 +139,13 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig(nll_coef=0.1)
 
-    first = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
+    model = RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16)
+    first = Actor(model, optim=optim)
     first.update(batch, loss, num_microbatches=2)
     save_role(first.chunks, first.optimizer, tmp_path / "actor")
     first.update(batch, loss, num_microbatches=2)
 
-    resumed = Actor(
-        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
-    )
+    resumed = Actor(model, optim=optim)
     load_role(resumed.chunks, resumed.optimizer, tmp_path / "actor")
     resumed.update(batch, loss, num_microbatches=2)
     for a, b in zip(first.chunks[0].parameters(), resumed.chunks[0].parameters(), strict=True):
@@ -169,10 +169,9 @@ def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     optim = OptimConfig(lr=1e-3, use_distributed_optimizer=distributed_optimizer)
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig()
-    plain = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
-    offloaded = Actor(
-        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
-    )
+    model = RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16)
+    plain = Actor(model, optim=optim)
+    offloaded = Actor(model, optim=optim)
     for _ in range(2):
         plain.update(batch, loss, num_microbatches=2)
         offloaded.update(batch, loss, num_microbatches=2)
@@ -209,10 +208,9 @@ def test_a_rewind_undoes_bf16_updates_bit_for_bit(
     optim = OptimConfig(lr=1e-3, lr_warmup_steps=4, use_distributed_optimizer=distributed_optimizer)
     batch = cuda_global_batch(arch)
     loss = PolicyLossConfig()
-    plain = Actor(arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim)
-    rewound = Actor(
-        arch=arch, layout=layout, model_path=tiny_model_dir, precision=bf16, optim=optim
-    )
+    model = RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16)
+    plain = Actor(model, optim=optim)
+    rewound = Actor(model, optim=optim)
     for actor in (plain, rewound):
         actor.update(batch, loss, num_microbatches=2)
     rewound.snapshot_updates()
@@ -254,8 +252,8 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     batch = global_batch(arch.vocab_size)
     assert batch.input_ids.device.type == "cpu"
     actor, critic = (
-        Actor(arch=arch, layout=layout, model_path=tiny_model_dir),
-        Critic(arch=arch, layout=layout, model_path=tiny_model_dir),
+        Actor(RoleModel(arch, layout, model_path=tiny_model_dir)),
+        Critic(RoleModel(arch, layout, model_path=tiny_model_dir)),
     )
     assert actor.device.type == critic.device.type == "cuda"
     logprobs = actor.compute_logprobs(batch, num_microbatches=2)
@@ -279,7 +277,7 @@ def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
     distributed.initialize(distributed.ParallelLayout(), arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(
-        arch=arch, layout=distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16
+        RoleModel(arch, distributed.ParallelLayout(), model_path=tiny_model_dir, precision=bf16)
     )
     batch = cuda_global_batch(arch)
     unpacked = actor.compute_logprobs(batch, num_microbatches=2)

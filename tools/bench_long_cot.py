@@ -30,6 +30,7 @@ from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record
 from tools.bench_peer import PEER_PRECISIONS, peer_step
 
@@ -94,7 +95,7 @@ def main(argv=None) -> None:
     layout = distributed.ParallelLayout()
     ctx = distributed.initialize(layout, arch=arch)
     precision = PrecisionConfig(params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32)
-    actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
+    actor = Actor(RoleModel(arch, layout, precision=precision), optim=OptimConfig())
     responses = long_tailed_lengths(a.rows, a.median, a.sigma, a.max_length)
     batch = long_cot_batch(arch.vocab_size, a.prompt_length, responses).to(ctx.device)
     budget = a.micro_batch_size * batch.seq_length  # the padded arm's tokens per micro-batch

@@ -43,6 +43,7 @@ from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 from megatron_rl.workers.schedule import run_schedule
+from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record
 from tools.bench_peer import PEER_PRECISIONS, peer_step
 
@@ -230,7 +231,7 @@ def build_arms(names, arch, layout, a, batch) -> dict:
         precision = PrecisionConfig(
             params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
         )
-        actor = Actor(arch=arch, layout=layout, precision=precision, optim=OptimConfig())
+        actor = Actor(RoleModel(arch, layout, precision=precision), optim=OptimConfig())
         loss_cfg = PolicyLossConfig(nll_coef=0.1)
         if "plain_megatron" in names:
             arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)

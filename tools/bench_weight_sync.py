@@ -34,6 +34,7 @@ from megatron_rl.sync.weight_sync import (
     sync_weights,
 )
 from megatron_rl.workers.policy import ReferencePolicy
+from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record
 
 
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
 
             make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
         hf_dir = _rank0_path(work / "model" if work else None, ctx)
-        policy = ReferencePolicy(arch=arch, layout=layout, model_path=hf_dir)
+        policy = ReferencePolicy(RoleModel(arch, layout, model_path=hf_dir))
         engine = VLLMEngine(
             hf_dir,
             EngineConfig(

@@ -51,6 +51,7 @@ def worker(a) -> None:
     from megatron_rl.rollout.types import EngineConfig, SamplingConfig
     from megatron_rl.rollout.vllm_engine import VLLMEngine
     from megatron_rl.workers.policy import ReferencePolicy
+    from megatron_rl.workers.spec import RoleModel
 
     arch = read_hf_config(a.hf_dir)
     layout = distributed.ParallelLayout(
@@ -59,7 +60,7 @@ def worker(a) -> None:
     ctx = distributed.initialize(layout, arch=arch)
     # forward-only: no optimizer state needed
     policy = ReferencePolicy(
-        arch=arch, layout=layout, model_path=a.hf_dir, temperature=a.temperature
+        RoleModel(arch, layout, model_path=a.hf_dir), temperature=a.temperature
     )
     engine = VLLMEngine(
         a.hf_dir,

@@ -89,12 +89,13 @@ def check(recompute: str | None, a, ctx) -> dict:
     from megatron_rl.workers.losses_config import PolicyLossConfig
     from megatron_rl.workers.optimizer import OptimConfig
     from megatron_rl.workers.policy import Actor
+    from megatron_rl.workers.spec import RoleModel
     from tools.bench_train_step import synthetic_batch
 
     arch = preset_arch("tiny")
     torch.manual_seed(0)  # the same initial weights for every recompute setting
     actor = Actor(
-        arch=arch, layout=ctx.layout, optim=OptimConfig(), recompute=RecomputeConfig(recompute)
+        RoleModel(arch, ctx.layout, recompute=RecomputeConfig(recompute)), optim=OptimConfig()
     )
     batch = synthetic_batch(arch, a.micro_batch_size, a.seq_length, seed=ctx.dp_rank)
     params = [p for c in actor.chunks for p in c.parameters()]

@@ -33,6 +33,7 @@ from megatron_rl.rollout.types import Sample
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 
 TOOL_RESPONSE = ("<tool_response>", "</tool_response>")
 """A tool's answer in a gold response (the `code` format's block): context, not imitated."""
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     dataset = load_prompts(PromptDataConfig(path=a.data, label_key=a.label_key), tokenizer)
     actor = Actor(
-        arch=arch, layout=layout, model_path=a.model, optim=OptimConfig(lr=a.lr, weight_decay=0.0)
+        RoleModel(arch, layout, model_path=a.model), optim=OptimConfig(lr=a.lr, weight_decay=0.0)
     )
     loss = PolicyLossConfig(nll_coef=1.0)
     sampler = PromptSampler(len(dataset), seed=a.seed)

@@ -14,6 +14,7 @@ that makes a bad input fail in seconds, before any model loads:
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from megatron_rl.trainer.runner import MEMORY_TIMELINE, RLTrainer, RunParts
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.policy import Actor, ReferencePolicy
+from megatron_rl.workers.spec import RoleModel
 
 LAYOUT_SIZES = (
     "tensor_model_parallel_size",
@@ -73,37 +75,35 @@ def check_output_dir(config: TrainConfig) -> None:
         )
 
 
-def build_roles(config: TrainConfig, arch, layout) -> Roles:
+def build_roles(config: TrainConfig, arch) -> Roles:
     c = config
-    common = dict(
-        layout=layout,
+    model = RoleModel(
+        arch=arch,
+        layout=c.parallel,
+        model_path=c.model.path,
         precision=c.model.precision,
+        recompute=c.model.recompute,
         moe=c.model.moe,
         use_remove_padding=c.model.use_remove_padding,
     )
     actor = Actor(
-        arch=arch,
-        model_path=c.model.path,
+        model,
         optim=scheduled_optim(c, "actor"),
-        recompute=c.model.recompute,
         temperature=c.rollout.temperature,
         router_replay=c.actor.router_replay,
-        **common,
     )
     reference = None
-    if c.use_reference:
+    if c.use_reference:  # forward only: nothing to recompute
         reference = ReferencePolicy(
-            arch=arch, model_path=c.model.path, temperature=c.rollout.temperature, **common
+            replace(model, recompute=None), temperature=c.rollout.temperature
         )
     critic = None
     if c.use_critic:
         critic_path = c.model.critic_path or c.model.path
+        critic_arch = ModelSource(critic_path).architecture()
         critic = Critic(
-            arch=ModelSource(critic_path).architecture(),
-            model_path=critic_path,
+            replace(model, arch=critic_arch, model_path=critic_path),
             optim=scheduled_optim(c, "critic"),
-            recompute=c.model.recompute,
-            **common,
         )
     return Roles(actor, reference, critic)
 
@@ -142,7 +142,7 @@ def build_trainer(config: TrainConfig, apart: EnginesApart | None) -> RLTrainer:
     if t.overwrite and ctx.rank == 0:  # only once the run's inputs proved usable
         clear_previous_run(t.output_dir)
     torch.distributed.barrier()
-    roles = build_roles(c, arch, c.parallel)
+    roles = build_roles(c, arch)
     warning = truncated_sampling_warning(c)
     if warning and ctx.rank == 0:
         print(warning, flush=True)

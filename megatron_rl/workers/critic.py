@@ -3,20 +3,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
-from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import build_critic_chunks
-from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
 from megatron_rl.models.source import ModelSource
-from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.losses_config import ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import TrainableRole
+from megatron_rl.workers.spec import RoleModel
 
 
 def token_values(head_output: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
@@ -28,31 +24,22 @@ def token_values(head_output: torch.Tensor, mb: TrainingBatch) -> torch.Tensor:
 
 
 class Critic(TrainableRole):
-    def __init__(
-        self,
-        *,
-        arch: ModelArchitecture,
-        layout: ParallelLayout,
-        model_path: str | Path | None = None,
-        precision: PrecisionConfig | None = None,
-        optim: OptimConfig | None = None,
-        recompute: RecomputeConfig | None = None,
-        moe: MoEConfig | None = None,
-        use_remove_padding: bool = False,
-    ):
-        """`model_path`: a critic checkpoint, a reward model (its score head is the value
-        head) or the policy (the value head starts from a small random init); HF or Megatron,
-        see `models.source.ModelSource.load_critic`."""
-        chunks = build_critic_chunks(arch, layout, precision, recompute=recompute, moe=moe)
-        if model_path is not None:
-            ModelSource(model_path).load_critic(chunks, arch)
+    def __init__(self, model: RoleModel, *, optim: OptimConfig | None = None):
+        """`model.model_path`: a critic checkpoint, a reward model (its score head is the
+        value head) or the policy (the value head starts from a small random init); HF or
+        Megatron, see `models.source.ModelSource.load_critic`."""
+        chunks = build_critic_chunks(
+            model.arch, model.layout, model.precision, recompute=model.recompute, moe=model.moe
+        )
+        if model.model_path is not None:
+            ModelSource(model.model_path).load_critic(chunks, model.arch)
         super().__init__(
-            arch=arch,
-            layout=layout,
+            arch=model.arch,
+            layout=model.layout,
             chunks=chunks,
-            precision=precision,
+            precision=model.precision,
             optim=optim or OptimConfig(lr=2e-6),
-            use_remove_padding=use_remove_padding,
+            use_remove_padding=model.use_remove_padding,
         )
 
     def compute_values(

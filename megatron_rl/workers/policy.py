@@ -8,7 +8,6 @@ global counts of the mini-batch (see `TrainableRole` for why that makes it exact
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
@@ -20,21 +19,15 @@ from megatron_rl.algorithms.losses import (
     token_mean,
 )
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
-from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.gpt import (
-    MoEConfig,
-    PrecisionConfig,
-    RecomputeConfig,
-    build_gpt_model_chunks,
-)
+from megatron_rl.models.gpt import MoEConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.lm_head import emit_hidden_states, output_weight
 from megatron_rl.models.router_replay import RouteReplay, RouterReplayConfig
 from megatron_rl.models.source import ModelSource
-from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.parallel.vocab import chunked_logprobs_entropy
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.roles import MegatronRole, TrainableRole
+from megatron_rl.workers.spec import RoleModel
 
 
 def token_logprobs_entropy(
@@ -60,10 +53,12 @@ def token_logprobs_entropy(
     return shift_to_tokens(logprobs[:, :-1]), shift_to_tokens(entropy[:, :-1])
 
 
-def _policy_chunks(arch, layout, model_path, precision, recompute=None, moe=None) -> list:
-    chunks = build_gpt_model_chunks(arch, layout, precision, recompute=recompute, moe=moe)
-    if model_path is not None:
-        ModelSource(model_path).load_policy(chunks, arch)
+def _policy_chunks(model: RoleModel) -> list:
+    chunks = build_gpt_model_chunks(
+        model.arch, model.layout, model.precision, recompute=model.recompute, moe=model.moe
+    )
+    if model.model_path is not None:
+        ModelSource(model.model_path).load_policy(chunks, model.arch)
     emit_hidden_states(chunks)  # the losses make logits chunk by chunk (models/lm_head.py)
     return chunks
 
@@ -117,26 +112,22 @@ class ReferencePolicy(_LogProbs, MegatronRole):
     Build it only when a KL coefficient is > 0 (the trainer skips it entirely otherwise).
     """
 
-    def __init__(
-        self,
-        *,
-        arch: ModelArchitecture,
-        layout: ParallelLayout,
-        model_path: str | Path | None = None,
-        precision: PrecisionConfig | None = None,
-        temperature: float = 1.0,
-        moe: MoEConfig | None = None,
-        use_remove_padding: bool = False,
-    ):
-        chunks = _policy_chunks(arch, layout, model_path, precision, moe=moe)
+    def __init__(self, model: RoleModel, *, temperature: float = 1.0):
+        if model.recompute not in (None, RecomputeConfig()):
+            # No backward pass: a recompute setting here would be silently ignored.
+            raise ValueError(
+                f"ReferencePolicy: RoleModel.recompute={model.recompute} but a reference "
+                "runs forward only and never recomputes activations: leave recompute None"
+            )
+        chunks = _policy_chunks(model)
         for chunk in chunks:
             chunk.requires_grad_(False)
         super().__init__(
-            arch=arch,
-            layout=layout,
+            arch=model.arch,
+            layout=model.layout,
             chunks=chunks,
-            precision=precision,
-            use_remove_padding=use_remove_padding,
+            precision=model.precision,
+            use_remove_padding=model.use_remove_padding,
         )
         self.temperature = temperature
 
@@ -146,31 +137,25 @@ class Actor(_LogProbs, TrainableRole):
 
     def __init__(
         self,
+        model: RoleModel,
         *,
-        arch: ModelArchitecture,
-        layout: ParallelLayout,
-        model_path: str | Path | None = None,
-        precision: PrecisionConfig | None = None,
         optim: OptimConfig | None = None,
-        recompute: RecomputeConfig | None = None,
         temperature: float = 1.0,
-        moe: MoEConfig | None = None,
         router_replay: RouterReplayConfig | None = None,
-        use_remove_padding: bool = False,
     ):
         self.router_replay = router_replay or RouterReplayConfig()
         if self.router_replay.needs_routes:
-            if not arch.is_moe:
+            if not model.arch.is_moe:
                 raise ValueError("actor.router_replay needs a mixture-of-experts model")
-            moe = dataclasses.replace(moe or MoEConfig(), routing_replay=True)
-        chunks = _policy_chunks(arch, layout, model_path, precision, recompute, moe)
+            moe = dataclasses.replace(model.moe or MoEConfig(), routing_replay=True)
+            model = dataclasses.replace(model, moe=moe)
         super().__init__(
-            arch=arch,
-            layout=layout,
-            chunks=chunks,
-            precision=precision,
+            arch=model.arch,
+            layout=model.layout,
+            chunks=_policy_chunks(model),
+            precision=model.precision,
             optim=optim,
-            use_remove_padding=use_remove_padding,
+            use_remove_padding=model.use_remove_padding,
         )
         self.temperature = temperature
 

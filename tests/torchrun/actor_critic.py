@@ -20,6 +20,7 @@ from megatron_rl.parallel.collectives import balance_over_data_parallel
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 
 SP = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
 PP = distributed.ParallelLayout(pipeline_model_parallel_size=2)
@@ -117,13 +118,14 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
         result["input_ids"] = local.input_ids
 
     pack = "-pack" in name
-    actor = Actor(arch=arch, layout=layout, model_path=hf_dir, use_remove_padding=pack)
+    model = RoleModel(arch, layout, model_path=hf_dir, use_remove_padding=pack)
+    actor = Actor(model)
     for loss_name, cfg in LOSSES.items():
         result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
     result["logprobs"] = actor.compute_logprobs(local, **split)
 
-    critic = Critic(arch=arch, layout=layout, model_path=hf_dir, use_remove_padding=pack)
+    critic = Critic(model)
     result["values"] = critic.compute_values(local, **split)
     result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))

@@ -13,6 +13,7 @@ from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor, ReferencePolicy
+from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.actor_critic import global_batch
 
 
@@ -36,9 +37,10 @@ def main():
     batch = global_batch(arch.vocab_size)
     optim = OptimConfig(lr=1e-3, weight_decay=0.0)
 
-    actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
-    reference = ReferencePolicy(arch=arch, layout=layout, model_path=a.hf_dir)
-    critic = Critic(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
+    model = RoleModel(arch, layout, model_path=a.hf_dir)
+    actor = Actor(model, optim=optim)
+    reference = ReferencePolicy(model)
+    critic = Critic(model, optim=optim)
     actor_before, ref_before = snapshot(actor.chunks, arch), snapshot(reference.chunks, arch)
     critic_before = snapshot(critic.chunks, arch)
     ref_logprobs = reference.compute_logprobs(batch)

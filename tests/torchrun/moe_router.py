@@ -17,6 +17,7 @@ from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.actor_critic import global_batch
 
 CASES = {
@@ -46,7 +47,7 @@ def main():
         if name == "z-padded":
             local = batch.with_length(batch.seq_length + 9)
         optim = OptimConfig(lr=1e-3, weight_decay=0.0)
-        actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, moe=moe, optim=optim)
+        actor = Actor(RoleModel(arch, layout, model_path=a.hf_dir, moe=moe), optim=optim)
         metrics = actor.compute_gradients(local, PolicyLossConfig(), num_microbatches=2)
         result = {"metrics": metrics}
         if name != "frozen":  # a frozen router has no gradient buffer

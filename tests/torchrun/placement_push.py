@@ -61,10 +61,11 @@ def main():
         from megatron_rl.workers.losses_config import PolicyLossConfig
         from megatron_rl.workers.optimizer import OptimConfig
         from megatron_rl.workers.policy import Actor
+        from megatron_rl.workers.spec import RoleModel
 
         layout = distributed.ParallelLayout(tensor_model_parallel_size=2)
         distributed.initialize(layout, arch=arch)
-        actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=OptimConfig(lr=1e-3))
+        actor = Actor(RoleModel(arch, layout, model_path=a.hf_dir), optim=OptimConfig(lr=1e-3))
         for _ in range(2):
             actor.update(batch, PolicyLossConfig(), num_microbatches=2)
         tensors = export_hf_tensors(actor.chunks, arch)  # TP all-gathers: both trainers

@@ -26,6 +26,7 @@ from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.actor_critic import global_batch
 
 
@@ -61,8 +62,9 @@ def main():
     batch = global_batch(arch.vocab_size)
     batch = batch.with_fields(ref_logprobs=batch.old_logprobs)
     optim = OptimConfig(lr=1e-3, weight_decay=0.01)
-    actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
-    critic = Critic(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
+    model = RoleModel(arch, layout, model_path=a.hf_dir)
+    actor = Actor(model, optim=optim)
+    critic = Critic(model, optim=optim)
     roles = {"actor": actor, "critic": critic}
     policy, value = PolicyLossConfig(nll_coef=0.1), ValueLossConfig()
     if a.load:
@@ -83,7 +85,7 @@ def main():
         "after": {"actor": full(actor), "critic": full(critic)},
     }
     if not a.load:  # the same weights with fresh Adam state
-        fresh = Actor(arch=arch, layout=layout, model_path=None, optim=optim)
+        fresh = Actor(RoleModel(arch, layout), optim=optim)
         load_role(fresh.chunks, None, a.ckpt / "actor")
         fresh.update(batch, policy, 2)
         result["model_only_after"] = full(fresh)

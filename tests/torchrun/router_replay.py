@@ -9,6 +9,7 @@ must replay them too). Rank 0 writes everything to --out.
 """
 
 import argparse
+import dataclasses
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -23,6 +24,7 @@ from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.weight_sync import LAYOUTS as WEIGHT_SYNC_LAYOUTS
 
 LAYOUTS = {name: WEIGHT_SYNC_LAYOUTS[name] for name in ("ep2", "tp2_sp_ep2")}
@@ -62,15 +64,9 @@ def main():
     foreign = batch.with_fields(
         routed_experts=foreign_routes(batch.routed_experts, arch.num_moe_experts)
     )
-    r3 = Actor(
-        arch=arch, layout=layout, model_path=a.hf_dir, router_replay=RouterReplayConfig("R3")
-    )
-    free = Actor(
-        arch=arch,
-        layout=layout,
-        model_path=a.hf_dir,
-        router_replay=RouterReplayConfig(log_mismatch=True),
-    )
+    model = RoleModel(arch, layout, model_path=a.hf_dir)
+    r3 = Actor(model, router_replay=RouterReplayConfig("R3"))
+    free = Actor(model, router_replay=RouterReplayConfig(log_mismatch=True))
     result = {"batch": batch, "foreign": foreign}
     result["replayed"] = r3.compute_logprobs(batch)
     result["free"] = free.compute_logprobs(batch)
@@ -79,10 +75,7 @@ def main():
     free.compute_logprobs(foreign)
     result["foreign_mismatch"] = free.routing_metrics
     recomputing = Actor(
-        arch=arch,
-        layout=layout,
-        model_path=a.hf_dir,
-        recompute=RecomputeConfig(granularity="full"),
+        dataclasses.replace(model, recompute=RecomputeConfig(granularity="full")),
         router_replay=RouterReplayConfig("R3"),
     )
     for name, actor in (("grads", r3), ("recomputed_grads", recomputing)):

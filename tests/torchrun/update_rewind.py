@@ -14,6 +14,7 @@ from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig, current_lr
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.actor_critic import global_batch
 
 
@@ -68,7 +69,7 @@ def main():
     batches = [global_batch(arch.vocab_size, seed=s) for s in (3, 4, 5)]
     # a warm-up: every update changes the learning rate the next one uses
     optim = OptimConfig(lr=1e-3, weight_decay=0.01, lr_warmup_steps=4, lr_warmup_init=1e-4)
-    actor = Actor(arch=arch, layout=layout, model_path=a.hf_dir, optim=optim)
+    actor = Actor(RoleModel(arch, layout, model_path=a.hf_dir), optim=optim)
     cfg = PolicyLossConfig()
 
     def updates(bs) -> list[dict]:

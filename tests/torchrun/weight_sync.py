@@ -24,6 +24,7 @@ from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.spec import RoleModel
 
 LAYOUTS = {
     "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
@@ -53,7 +54,7 @@ def main():
     layout = LAYOUTS[a.layout]
     ctx = distributed.initialize(layout, arch=arch)
     actor = Actor(
-        arch=arch, layout=layout, model_path=a.hf_dir, optim=OptimConfig(lr=1e-3, weight_decay=0.0)
+        RoleModel(arch, layout, model_path=a.hf_dir), optim=OptimConfig(lr=1e-3, weight_decay=0.0)
     )
     engine = VLLMEngine(
         a.hf_dir,
