@@ -33,23 +33,15 @@ class _EngineRanks:
 
     def round(self, step, end, data):
         self.asked.append(("round", step, end, data))
-        return (
-            ["g"],
-            {"m": 1.0},
-            {"epoch": 0, "index": data["index"] + 2},
-            self.aborted,
-            self.version,
-        )
+        return self.answer(data)
 
     def generate(self, stage, step, data):
         self.asked.append((stage, step, data))
-        return (
-            ["g"],
-            {"m": 1.0},
-            {"epoch": 0, "index": data["index"] + 2},
-            self.aborted,
-            self.version,
-        )
+        return self.answer(data)
+
+    def answer(self, data):
+        drawn = {"epoch": 0, "index": data["index"] + 2}
+        return ["g"], {"m": 1.0}, drawn, self.aborted, self.version
 
     def push(self, actor, version, evaluate_step):
         self.pushed.append((version, evaluate_step))
