@@ -151,7 +151,7 @@ def build_trainer(config: TrainConfig, apart: EnginesApart | None) -> RLTrainer:
     roles.offload_for_rollout(c)
     memory = MemoryTimeline(
         Path(t.output_dir) / MEMORY_TIMELINE if ctx.rank == 0 else None,
-        lambda: rollout.memory_state(),
+        lambda: rollout.memory_state(),  # the service, made next
     )
     rollout = rollout_builder.build(memory.release_cached_blocks)
     if source.is_megatron:
