@@ -48,7 +48,9 @@ from megatron_rl.algorithms.masked import masked_sum
 RolloutIS = Literal["token", "sequence"]
 RolloutRS = Literal["token", "sequence", "geometric"]
 LOG_RATIO_BOUND = 20.0
-"""log w is clamped to [-20, 20] before exp (verl's safety bound): fp32 cannot overflow."""
+"""A token's log w, and a sequence's sum of them (log prod_t w_t), is clamped to [-20, 20]
+before exp (verl's safety bound: fp32 cannot overflow); a sequence's tokens are summed
+unclamped, so its weight is min(prod_t w_t, C) as written, whatever single tokens reach."""
 
 
 @dataclass(frozen=True)
@@ -176,10 +178,11 @@ def compute_rollout_correction(
     response_mask: [B, S] 0/1.
     """
     valid = response_mask.bool()
-    log_ratio = torch.where(valid, old_logprobs.double() - rollout_logprobs.double(), 0.0)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    unbounded = torch.where(valid, old_logprobs.double() - rollout_logprobs.double(), 0.0)
+    log_ratio = unbounded.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     w_token = torch.exp(log_ratio)
-    seq_log_ratio = log_ratio.sum(dim=1)  # log prod_t w_t
+    # log prod_t w_t, bounded once summed (verl): per-token bounds would change the product
+    seq_log_ratio = unbounded.sum(dim=1)
     lengths = response_mask.double().sum(dim=1)
     has_tokens = lengths > 0
 

@@ -57,6 +57,25 @@ def test_sequence_tis_gives_every_token_of_a_sequence_its_product_of_ratios():
     assert rc.weights[0, 0] == 1.0 and rc.weights[1, 3] == 1.0  # off the response
 
 
+def test_a_sequence_weight_bounds_the_sum_of_log_ratios_not_each_token():
+    """Log-ratios [25, -24, 0] multiply to e^1: the weight is min(e, C), as documented and
+    as verl computes it (bounding each token at 20 first would give e^0 = 1); the token mode
+    still bounds each token, and a sum past the bound is bounded once."""
+    mask = torch.tensor([[1.0, 1, 1], [1.0, 1, 1]])
+    rollout = torch.full((2, 3), -30.0)
+    old = rollout + torch.tensor([[25.0, -24.0, 0.0], [25.0, 25.0, 0.0]])
+    config = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=10.0)
+    rc = compute_rollout_correction(old, rollout, mask, config)
+    torch.testing.assert_close(rc.weights[0], torch.full((3,), math.e))
+    torch.testing.assert_close(rc.weights[1], torch.full((3,), 10.0))  # e^50 -> e^20 -> C
+    config = RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold=2.0)
+    rc = compute_rollout_correction(old, rollout, mask, config)
+    assert rc.keep[:, 0].tolist() == [0.0, 0.0]  # e^1 > 2 and e^50 > 2: both rejected
+    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1e9)
+    rc = compute_rollout_correction(old, rollout, mask, config)
+    torch.testing.assert_close(rc.weights[0, :2], torch.tensor([math.exp(20), math.exp(-20)]))
+
+
 def test_token_rejection_drops_tokens_outside_the_band_and_counts_them():
     rc = correct(rollout_rs="token", rollout_rs_threshold=2.0)  # band [0.5, 2]
     assert rc.weights is None  # no importance weights asked for
