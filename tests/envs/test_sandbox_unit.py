@@ -257,10 +257,36 @@ def test_temp_dirs_are_removed(tmp_path):
         "open('f', 'w').write('x' * 1000)",
         "import os\nos.makedirs('a/b')\nos.chmod('a/b', 0)\nos.chmod('a', 0o500)",
         "open('f', 'w').write('x')\nwhile True: pass",
+        # deeper than Python's recursion limit: a recursive clean-up raised and left it
+        "import os\nfor i in range(1500):\n    os.mkdir('a'); os.chdir('a')\nprint('deep')",
     ]
     for code in codes:
         run_code(code, CONFIG, workdir_parent=str(tmp_path))
         assert list(tmp_path.iterdir()) == []
+
+
+def test_the_clean_up_removes_a_hostile_tree_and_nothing_outside_it(tmp_path):
+    """Deeper than the recursion limit and than PATH_MAX, folders without any permission
+    bit, a symlink to a folder outside (not entered: what it points to stays)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "canary").write_text("kept")
+    top = tmp_path / "sandbox-x"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    for _ in range(3000):  # 6,000 characters of path: past PATH_MAX (4,096)
+        os.mkdir("ab", dir_fd=fd)
+        child = os.open("ab", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.symlink(outside, "link", dir_fd=fd)
+    os.mkdir("locked", dir_fd=fd)
+    os.close(fd)
+    (top / "f").write_text("x")
+    os.chmod(top / "ab", 0)
+    sandbox._remove_tree(str(top))
+    assert list(tmp_path.iterdir()) == [outside]
+    assert (outside / "canary").read_text() == "kept"
 
 
 # ---------------------------------------------------------------------------- isolation
