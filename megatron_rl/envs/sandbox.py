@@ -23,10 +23,11 @@ is unsafe in the threaded trainer). What each layer gives, and what it does not:
   AF_UNIX; no io_uring, no ptrace. Threads still work.
 - `audit_hook` (always, on top): a `sys.addaudithook` guard that turns the same attempts into
   one-line `PermissionError: sandbox: ...` observations. It is NOT a security boundary
-  (PEP 578: code can reach around it through objects in memory). Without user namespaces and
-  without seccomp + Landlock there is no boundary at all, only clear messages; hence
-  `isolation: strict` (the default) refuses to run there, and `best_effort` must be chosen
-  explicitly. For untrusted models at scale use a service (SandboxFusion, gVisor).
+  (PEP 578: code can reach around it through objects in memory). Each kernel layer covers
+  what the others cannot (without the namespace the child keeps root's capabilities over
+  host files; without seccomp a process can leave the group kill; without Landlock files are
+  open), so `isolation: strict` (the default) refuses to run unless all three apply, naming
+  the missing ones, and `best_effort` must be chosen explicitly. For untrusted models at scale use a service (SandboxFusion, gVisor).
 
 Where the design (docs/design/tools.md §3.5) was changed for this machine:
 - No pid namespace. Its pid 1 must be a forked child of the sandbox process; when the parent
@@ -84,6 +85,10 @@ REAP_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0
 
 
+KERNEL_LAYERS = ("namespaces", "landlock", "seccomp")
+"""The kernel layers `isolation: strict` needs, every one (the module docstring)."""
+
+
 class SandboxUnavailable(RuntimeError):
     """`isolation: strict` was asked for and the kernel does not isolate network and files."""
 
@@ -101,8 +106,10 @@ class SandboxConfig:
     max_processes: int = 0
     """Processes a call may start. Only 0 (refused by seccomp and the hook) is supported."""
     isolation: str = "strict"
-    """"strict": refuse to run unless the kernel isolates network AND files; "best_effort":
-    run under whatever layers the kernel allows (maybe only the audit hook: no boundary)."""
+    """"strict": refuse to run unless all three kernel layers apply (`KERNEL_LAYERS`: user
+    namespace, Landlock, seccomp) and the probe finds network, files and processes isolated;
+    "best_effort": run under whatever layers the kernel allows (maybe only the audit hook: no
+    boundary)."""
     error_lines: int = 1
     """Lines of a traceback kept in the observation, from its end (ToRL keeps the last)."""
 
@@ -240,15 +247,20 @@ def probe_isolation() -> IsolationReport:
 
 
 def check_isolation(config: SandboxConfig) -> IsolationReport:
-    """The probe's report; raises `SandboxUnavailable` when `config` is strict and the kernel
-    does not isolate both network and files. Call before any model is loaded."""
+    """The probe's report; raises `SandboxUnavailable` when `config` is strict and a kernel
+    layer is missing or the probe found network, files or processes reachable. Call before
+    any model is loaded."""
     report = probe_isolation()
-    if config.isolation == "strict" and not (report.network and report.files):
+    missing = [layer for layer in KERNEL_LAYERS if layer not in report.layers]
+    isolated = report.network and report.files and report.processes
+    if config.isolation == "strict" and (missing or not isolated):
         raise SandboxUnavailable(
-            f"sandbox: isolation 'strict' needs the kernel to isolate network and files, and "
-            f"this machine gives network={report.network}, files={report.files} ({report.details}). "
-            f"Set `isolation: best_effort` to run under the audit hook only (clear messages, no "
-            f"security boundary), or use a sandbox service (SandboxFusion, gVisor)."
+            f"sandbox: isolation 'strict' needs every kernel layer ({', '.join(KERNEL_LAYERS)}) "
+            f"and this machine lacks {', '.join(missing) or 'none'}, isolating "
+            f"network={report.network}, files={report.files}, processes={report.processes} "
+            f"({report.details}). Set `isolation: best_effort` to run under the layers there "
+            f"are (or the audit hook only: clear messages, no security boundary), or use a "
+            f"sandbox service (SandboxFusion, gVisor)."
         )  # fmt: skip
     return report
 

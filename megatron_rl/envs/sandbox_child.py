@@ -17,8 +17,8 @@ The restrictions are applied by the child to itself, in this order, before any u
 6. an audit hook (PEP 578) that turns the same attempts into one-line
    `PermissionError("sandbox: ...")` messages. It is not a security boundary.
 The layers the kernel granted (3-5, plus "audit_hook") are written to STATUS_FD as JSON before
-the code runs; with `isolation: strict` and no kernel isolation of both network and files the
-child writes a refusal there instead and exits without running anything.
+the code runs; with `isolation: strict` and a kernel layer that could not be applied the child
+writes a refusal there instead and exits without running anything.
 
 `--probe DIR OUTSIDE_FILE` applies layers 1-5 and checks, from inside, what they actually stop
 (a TCP and a UDP connection, reading OUTSIDE_FILE, a fork) and that the standard library still
@@ -430,11 +430,9 @@ def child_main(workdir: str, status_fd: int, config: dict) -> None:
     os.remove(code_path)  # DIR is the code's own, empty directory
     roots = read_roots()
     layers, missing = apply_kernel_layers(workdir)
-    network = "namespaces" in layers or "seccomp" in layers
-    files = "landlock" in layers
     with os.fdopen(status_fd, "w") as status:
-        if config["isolation"] == "strict" and not (network and files):
-            json.dump({"refused": "; ".join(missing) or "no kernel layer"}, status)
+        if config["isolation"] == "strict" and missing:  # strict: every layer (sandbox.py)
+            json.dump({"refused": "; ".join(missing)}, status)
             status.close()
             os._exit(REFUSED_EXIT)
         json.dump({"layers": [*layers, "audit_hook"], "missing": missing}, status)

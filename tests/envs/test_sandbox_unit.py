@@ -318,12 +318,23 @@ def test_strict_refuses_without_kernel_isolation(monkeypatch):
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: nothing)
     with pytest.raises(SandboxUnavailable, match="best_effort"):
         check_isolation(SandboxConfig())
-    with pytest.raises(SandboxUnavailable, match="network=False, files=False"):
+    with pytest.raises(SandboxUnavailable, match="lacks namespaces, landlock, seccomp"):
         run_code("print(1)", SandboxConfig())
     assert run_code("print(1)", SandboxConfig(isolation="best_effort")).observation() == "1"
-    files_only = IsolationReport(False, True, False, ("landlock",), "")
-    monkeypatch.setattr(sandbox, "probe_isolation", lambda: files_only)
-    with pytest.raises(SandboxUnavailable, match="network=False, files=True"):
+
+
+@pytest.mark.parametrize(
+    ("layers", "lacks"),
+    [(("landlock",), "namespaces, seccomp"), (("namespaces", "landlock"), "seccomp"),
+     (("landlock", "seccomp"), "namespaces"), (("namespaces", "seccomp"), "landlock")],
+)  # fmt: skip
+def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers, lacks):
+    """Network and files isolated by the remaining layers is not enough: without the
+    namespace the child holds root's capabilities over host files, without seccomp a process
+    leaves the group kill, without Landlock files are open."""
+    report = IsolationReport(True, True, "seccomp" in layers, layers, "")
+    monkeypatch.setattr(sandbox, "probe_isolation", lambda: report)
+    with pytest.raises(SandboxUnavailable, match=f"lacks {lacks}, isolating network=True"):
         run_code("print(1)", SandboxConfig())
 
 
