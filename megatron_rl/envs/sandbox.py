@@ -19,8 +19,11 @@ is unsafe in the threaded trainer). What each layer gives, and what it does not:
   libraries, read-write DIR, nothing else, no execve; TCP bind/connect refused (ABI >= 4);
   no signals or abstract sockets beyond the sandbox (ABI >= 6).
 - `seccomp` (libseccomp via ctypes, after no_new_privs): no new process (fork, vfork, clone
-  without CLONE_THREAD, clone3 -> ENOSYS so glibc falls back to clone); no socket other than
-  AF_UNIX; no io_uring, no ptrace. Threads still work.
+  without CLONE_THREAD, clone3 -> ENOSYS so glibc falls back to clone); no socket (a unix
+  socket reaches host listeners by path); no io_uring, no ptrace; nothing on another process
+  (prlimit, priority, affinity, scheduler, I/O priority: the trainer's uid would pass); no
+  metadata change of any file (chmod / chown / utime / xattr families: Landlock does not see
+  them); no keyring. Threads still work.
 - `audit_hook` (always, on top): a `sys.addaudithook` guard that turns the same attempts into
   one-line `PermissionError: sandbox: ...` observations. It is NOT a security boundary
   (PEP 578: code can reach around it through objects in memory). Each kernel layer covers

@@ -12,8 +12,9 @@ The restrictions are applied by the child to itself, in this order, before any u
 4. Landlock: read-only access to the interpreter's files and the system libraries, read-write
    access to DIR, nothing else; no TCP bind/connect (ABI >= 4); no signals to processes
    outside the sandbox (ABI >= 6);
-5. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket other
-   than AF_UNIX, no io_uring, no ptrace;
+5. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket, no
+   io_uring, no ptrace, nothing on another process (limits, priority, CPUs, scheduling, I/O
+   priority), no file metadata change (mode, owner, times, attributes), no keyring;
 6. an audit hook (PEP 578) that turns the same attempts into one-line
    `PermissionError("sandbox: ...")` messages. It is not a security boundary.
 The layers the kernel granted (3-5, plus "audit_hook") are written to STATUS_FD as JSON before
@@ -245,18 +246,66 @@ class _ArgCmp(ctypes.Structure):
     ]
 
 
-# (syscall, errno, argument comparisons). clone3 passes its flags in memory, which seccomp
-# cannot read: ENOSYS makes glibc fall back to clone, whose flags it can (threads still work).
+NOT_THIS_PROCESS = ((0, SCMP_CMP_NE, 0, 0),)
+"""The first argument (a pid) is not 0, this process: another process is the target."""
+
+# (syscall, errno, argument comparisons: all must hold); several rules for one call: any.
+# clone3 passes its flags in memory, which seccomp cannot read: ENOSYS makes glibc fall back
+# to clone, whose flags it can (threads still work).
 SECCOMP_RULES: tuple[tuple[str, int, tuple[tuple[int, int, int, int], ...]], ...] = (
+    # no new process
     ("fork", errno.EPERM, ()),
     ("vfork", errno.EPERM, ()),
     ("clone", errno.EPERM, ((0, SCMP_CMP_MASKED_EQ, CLONE_THREAD, 0),)),
     ("clone3", errno.ENOSYS, ()),
-    ("socket", errno.EPERM, ((0, SCMP_CMP_NE, socket.AF_UNIX, 0),)),
+    # no socket of any family (a unix socket reaches the host's listeners by path, which
+    # neither Landlock nor the namespace sees); socketpair, a connected pair, stays
+    ("socket", errno.EPERM, ()),
     ("io_uring_setup", errno.ENOSYS, ()),  # io_uring can open sockets without socket()
+    # no reaching into another process
     ("ptrace", errno.EPERM, ()),
     ("process_vm_readv", errno.EPERM, ()),
     ("process_vm_writev", errno.EPERM, ()),
+    # no limits, priorities, CPUs or scheduling of another process (the same uid as the
+    # trainer passes the kernel's permission check: RLIMIT_CPU on it would kill it)
+    ("prlimit64", errno.EPERM, NOT_THIS_PROCESS),
+    ("setpriority", errno.EPERM, ((0, SCMP_CMP_NE, 0, 0),)),  # PRIO_PGRP / PRIO_USER
+    ("setpriority", errno.EPERM, ((1, SCMP_CMP_NE, 0, 0),)),  # another process
+    ("sched_setaffinity", errno.EPERM, NOT_THIS_PROCESS),
+    ("sched_setscheduler", errno.EPERM, NOT_THIS_PROCESS),
+    ("sched_setparam", errno.EPERM, NOT_THIS_PROCESS),
+    ("sched_setattr", errno.EPERM, NOT_THIS_PROCESS),
+    ("ioprio_set", errno.EPERM, ()),
+    # no file metadata changes (Landlock does not cover them: a host file's mode, owner,
+    # times or attributes), inside DIR either: a tool's code writes and reads, no more
+    *(
+        (name, errno.EPERM, ())
+        for name in (
+            "chmod",
+            "fchmod",
+            "fchmodat",
+            "fchmodat2",
+            "chown",
+            "fchown",
+            "lchown",
+            "fchownat",
+            "utime",
+            "utimes",
+            "futimesat",
+            "utimensat",
+            "setxattr",
+            "lsetxattr",
+            "fsetxattr",
+            "removexattr",
+            "lremovexattr",
+            "fremovexattr",
+        )
+    ),  # fmt: skip
+    # no kernel keyrings (the caller's session keyring is inherited: its keys readable, a
+    # key planted there outliving the call)
+    ("keyctl", errno.EPERM, ()),
+    ("add_key", errno.EPERM, ()),
+    ("request_key", errno.EPERM, ()),
 )
 
 
