@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -26,6 +27,8 @@ from typing import Any, TypeVar
 from megatron_rl.procutil import outlive_job_signals
 
 READY = "ready"
+CANCEL_POLL_S = 0.2
+"""How often `receive` asks its `cancel` while waiting."""
 
 Built = TypeVar("Built")
 
@@ -40,6 +43,10 @@ class ChildTimeout(Exception):
 
     def __init__(self, timeout_s: float):
         super().__init__(f"no answer in {timeout_s:g} s")
+
+
+class ChildCancelled(Exception):
+    """The caller's `cancel()` said yes while waiting: the child was killed and reaped."""
 
 
 class ChildDied(Exception):
@@ -85,12 +92,29 @@ class ChildProcess:
         """One request to the child (pickled; its replies come through `receive`)."""
         self._to_child.send(message)
 
-    def receive(self, timeout_s: float | None = None) -> Any:
+    def receive(
+        self, timeout_s: float | None = None, cancel: Callable[[], bool] | None = None
+    ) -> Any:
         """The child's next message, waited for at most `timeout_s` (None: until it comes);
-        raises `ChildTimeout` or `ChildDied`."""
+        raises `ChildTimeout` or `ChildDied`. `cancel`, asked every CANCEL_POLL_S while
+        waiting: yes kills the child and raises `ChildCancelled` (a stop request need not
+        wait for a slow call)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            if self._from_child.poll(timeout_s):
-                return self._from_child.recv()
+            while True:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                wait = (
+                    left
+                    if cancel is None or (left is not None and left < CANCEL_POLL_S)
+                    else CANCEL_POLL_S
+                )
+                if self._from_child.poll(wait):
+                    return self._from_child.recv()
+                if cancel is not None and cancel():
+                    self.kill()
+                    raise ChildCancelled
+                if left is not None and left <= wait:
+                    break
         except (EOFError, OSError):
             raise ChildDied(self._exit_code()) from None
         self.kill()

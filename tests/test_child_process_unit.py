@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.child_process import ChildDied, ChildProcess, ChildStartError, ChildTimeout
+from megatron_rl.child_process import (
+    ChildCancelled,
+    ChildDied,
+    ChildProcess,
+    ChildStartError,
+    ChildTimeout,
+)
 
 CHILD = "tests.scripted_child"
 
@@ -42,6 +48,17 @@ def test_a_hanging_child_is_killed_at_its_limit_with_its_process_group_and_reape
         time.sleep(0.05)
     assert not running(grandchild)
     child.kill()  # again: nothing left to do
+
+
+def test_a_wait_cancelled_kills_the_child_at_once():
+    child = ChildProcess(CHILD, {}, start_timeout_s=60.0)
+    child.send(("spawn_and_hang",))
+    child.receive(10.0)
+    start = time.monotonic()
+    with pytest.raises(ChildCancelled):
+        child.receive(60.0, cancel=lambda: time.monotonic() - start > 0.5)
+    assert 0.5 <= time.monotonic() - start < 10.0  # at the cancel, not at the 60 s limit
+    assert child.proc.returncode == -signal.SIGKILL
 
 
 def test_a_child_that_dies_reports_its_exit_code():

@@ -7,7 +7,9 @@ bytecodes, and a thread cannot be killed. So user (`python`) and `math` function
 result per sample (one per batch for batched functions), and a result that does not arrive in
 time gets the child SIGKILLed (with its process group) and restarted; that sample (or batch)
 counts as a failure and the rest of the batch goes to the new child. A child that dies
-(segfault, `os._exit`) is a failure of the sample it was scoring, not of the run.
+(segfault, `os._exit`) is a failure of the sample it was scoring, not of the run. A stop
+request (`megatron_rl.preemption`) kills the child within `CANCEL_POLL_S` and raises
+`StepAborted("rollout/score")`: a slow call never holds a stop longer than that.
 
 The child is a `child_process.ChildProcess` running `python -m megatron_rl.rewards.isolated`,
 not a fork of the trainer; it builds the function from its config, so import errors still
@@ -21,12 +23,14 @@ import math
 from collections.abc import Iterator
 
 from megatron_rl.child_process import (
+    ChildCancelled,
     ChildDied,
     ChildProcess,
     ChildStartError,
     ChildTimeout,
     serve,
 )
+from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards.base import RewardFunction, RewardInput, finite_scores
 
 
@@ -70,8 +74,11 @@ class IsolatedRewardFunction(RewardFunction):
             child.send(batch if self.batched else batch[len(replies) :])
             while len(replies) < expected:
                 try:
-                    replies.append(child.receive(self.timeout_s))
+                    replies.append(child.receive(self.timeout_s, cancel=lambda: STOP.requested))
                     continue
+                except ChildCancelled:  # a stop request: the step aborts, its calls with it
+                    self.child = None
+                    raise StepAborted("rollout/score") from None
                 except ChildTimeout:
                     limit = f"{self.timeout_s:g} s"
                     why = f"RewardTimeout: took longer than {limit} (its worker process was killed)"

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_rl.parallel.collectives import broadcast_over_model_parallel, is_model_parallel_source
+from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.config import RewardFnConfig
 from megatron_rl.rewards.scorer import RewardScorer, ScoredBatch
@@ -199,6 +200,40 @@ def make_scoring_pool(
     return RayScoringPool(reward_fns, config)
 
 
+@dataclass(frozen=True)
+class ScoringAborted:
+    """What the scoring rank shares with its group in place of scores when a stop request
+    cancelled the scoring (`rewards/isolated.py`): every rank then raises `StepAborted`
+    together, none is left waiting in the broadcast."""
+
+    phase: str
+
+
+def submit_or_abort(pool, batch: list[RewardInput]):
+    """`pool.submit(batch)`, or `ScoringAborted` when a stop cancelled it (an inline pool
+    scores at submit)."""
+    try:
+        return pool.submit(batch)
+    except StepAborted as e:
+        return ScoringAborted(e.phase)
+
+
+def result_or_abort(pool, handle) -> TimedScores | ScoringAborted:
+    if isinstance(handle, ScoringAborted):
+        return handle
+    try:
+        return pool.result(handle)
+    except StepAborted as e:
+        return ScoringAborted(e.phase)
+
+
+def shared_or_raise(scores):
+    """Scores as broadcast to a group: `StepAborted` on every rank where they were aborted."""
+    if isinstance(scores, ScoringAborted):
+        raise StepAborted(scores.phase)
+    return scores
+
+
 class ModelParallelScoringPool:
     """Scores each sample once per model-parallel (TP x PP) group.
 
@@ -220,13 +255,11 @@ class ModelParallelScoringPool:
             self.inner = InlineScoringPool(collective) if collective else None
 
     def submit(self, batch: list[RewardInput]):
-        if self.inner is None:
-            return None
-        return self.inner.submit(batch)
+        return None if self.inner is None else submit_or_abort(self.inner, batch)
 
     def result(self, handle) -> TimedScores:
-        scores = self.inner.result(handle) if self.is_source else None
-        return broadcast_over_model_parallel(scores)
+        scores = result_or_abort(self.inner, handle) if self.is_source else None
+        return shared_or_raise(broadcast_over_model_parallel(scores))
 
     def close(self) -> None:
         if self.inner is not None:

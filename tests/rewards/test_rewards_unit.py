@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards import (
     MathRewardConfig,
     PythonRewardConfig,
@@ -20,6 +21,12 @@ from megatron_rl.rewards import (
     reward_fn_config,
 )
 from megatron_rl.rewards.base import RewardTimeout, call_with_time_limit
+from megatron_rl.rewards.pool import (
+    ScoringAborted,
+    result_or_abort,
+    shared_or_raise,
+    submit_or_abort,
+)
 from megatron_rl.rewards.scorer import check_failure_ratio
 
 
@@ -78,6 +85,37 @@ def test_time_limit_stops_a_hanging_function():
     assert out.rewards == [-1.0, -1.0]
     assert out.errors["python"] == [TIMED_OUT] * 2
     scorer.close()
+
+
+def test_a_stop_request_cancels_a_slow_call_at_once(monkeypatch):
+    """A reward slower than any grace time (a judge, a code run: here it never ends, its
+    limit 120 s): a stop request kills its worker within a poll and aborts the step's
+    scoring."""
+    scorer = RewardScorer([python_fn("sleeps_forever", timeout_s=120.0)])
+    [fn] = scorer.functions
+    monkeypatch.setattr(STOP, "signal", None)  # put back at teardown, whatever the timer did
+    threading.Timer(0.5, lambda: setattr(STOP, "signal", "SIGTERM")).start()
+    start = time.time()
+    with pytest.raises(StepAborted, match="rollout/score"):
+        scorer(inputs(["a", "b"]))
+    assert time.time() - start < 30.0  # at the stop, not at the 120 s limit
+    assert fn.child is None  # killed, not waited for
+    scorer.close()
+
+
+def test_scores_cancelled_on_the_scoring_rank_abort_every_rank_of_its_group():
+    """What a group shares in place of scores: each rank raises, none waits for scores."""
+
+    class Pool:
+        def submit(self, batch):
+            raise StepAborted("rollout/score")
+
+    handle = submit_or_abort(Pool(), ["sample"])
+    assert handle == ScoringAborted("rollout/score")
+    assert result_or_abort(Pool(), handle) is handle
+    with pytest.raises(StepAborted, match="rollout/score"):
+        shared_or_raise(handle)
+    assert shared_or_raise("scores") == "scores"
 
 
 def test_time_limit_is_not_swallowed_by_except_exception():

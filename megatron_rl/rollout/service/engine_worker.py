@@ -22,7 +22,12 @@ from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.placement import Placement
 from megatron_rl.preemption import STOP, StepAborted
-from megatron_rl.rewards.pool import make_scoring_pool
+from megatron_rl.rewards.pool import (
+    make_scoring_pool,
+    result_or_abort,
+    shared_or_raise,
+    submit_or_abort,
+)
 from megatron_rl.rollout.rating import chunk_seeds
 from megatron_rl.rollout.service.protocol import (
     DOORBELL_KEY,
@@ -284,13 +289,13 @@ class ReplicaScoring:
         self.inner, self.group, self.leader = inner, group, leader
 
     def submit(self, batch):
-        return self.inner.submit(batch) if self.inner is not None else None
+        return submit_or_abort(self.inner, batch) if self.inner is not None else None
 
     def result(self, handle):
-        scores = [self.inner.result(handle) if self.inner is not None else None]
+        scores = [result_or_abort(self.inner, handle) if self.inner is not None else None]
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.broadcast_object_list(scores, src=self.leader, group=self.group)
-        return scores[0]
+        return shared_or_raise(scores[0])
 
     def close(self) -> None:
         if self.inner is not None:
