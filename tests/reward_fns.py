@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 
 def length_parity(prompt: str, response: str, label) -> float:
@@ -130,3 +131,12 @@ def coin_flip_or_regex_hang(prompt: str, response: str, label, calls_file: str) 
     if len(response) % 5 == 0:
         regex_in_c(prompt, "hang", label)
     return float(random.random() < 0.5)
+
+
+def slow_once_flagged(prompt: str, response: str, label, flag: str) -> float:
+    """`length_parity`, taking 45 s per call once the file `flag` exists (an LLM judge or a
+    code run behaves so); writes `flag`.scoring first, so a test knows scoring has begun."""
+    if os.path.exists(flag):
+        Path(flag + ".scoring").touch()
+        time.sleep(45)
+    return length_parity(prompt, response, label)
