@@ -3,6 +3,9 @@ next chunk can be generated while this one is scored (a two-stage generate / sco
 
 Both pools have the same two calls, `submit(batch) -> handle` and `result(handle)`; the inline
 pool scores at `submit`, the Ray pool returns at once and splits the batch across its workers.
+A stop request (`megatron_rl.preemption`) cancels the calls in flight within `CANCEL_POLL_S`
+either way (an isolated function's child, or the Ray workers, killed) and raises
+`StepAborted("rollout/score")`.
 A reward model therefore loads once per Ray worker, never in the trainer process, unless the
 Ray workers die: SLURM's `scancel` signals every process of the job, Ray's included, while
 the trainer finishes its step to save it; the pool then scores in the trainer process.
@@ -16,8 +19,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_rl.child_process import CANCEL_POLL_S
 from megatron_rl.parallel.collectives import broadcast_over_model_parallel, is_model_parallel_source
-from megatron_rl.preemption import StepAborted
+from megatron_rl.preemption import STOP, StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.config import RewardFnConfig
 from megatron_rl.rewards.scorer import RewardScorer, ScoredBatch
@@ -143,6 +147,10 @@ class RayScoringPool:
         batch, futures = handle
         if futures is not None and self.fallback is None:
             try:
+                while ray.wait(futures, num_returns=len(futures), timeout=CANCEL_POLL_S)[1]:
+                    if STOP.requested:  # the calls in flight go with their workers
+                        self._workers_lost(RuntimeError("killed for a stop request"), kill=True)
+                        raise StepAborted("rollout/score")
                 return concat(ray.get(futures))
             except RayTaskError:  # the reward function itself failed: not Ray's doing
                 raise
@@ -150,7 +158,10 @@ class RayScoringPool:
                 self._workers_lost(e)
         return self.fallback.submit(batch)
 
-    def _workers_lost(self, error: Exception) -> None:
+    def _workers_lost(self, error: Exception, kill: bool = False) -> None:
+        """From now on, score in this process (`kill`: the workers are ended here first)."""
+        if kill:
+            self._kill_workers()
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(
             f"warning: the Ray reward workers are gone ({reason}); scoring in this process "
@@ -160,7 +171,8 @@ class RayScoringPool:
         )
         self.fallback = InlineScoringPool(self.reward_fns)
 
-    def close(self) -> None:
+    def _kill_workers(self) -> None:
+        """Each worker's process ends (and its isolated reward children with it)."""
         # why: ray takes seconds to import: only a reward pool starts it
         import ray
 
@@ -170,6 +182,12 @@ class RayScoringPool:
             except Exception:  # noqa: BLE001 - already dead with its Ray: nothing to stop
                 pass
         self.workers = []
+
+    def close(self) -> None:
+        # why: ray takes seconds to import: only a reward pool starts it
+        import ray
+
+        self._kill_workers()
         if self.fallback is not None:
             self.fallback.close()
             self.fallback = None

@@ -23,6 +23,8 @@ from megatron_rl.rewards import (
 from megatron_rl.rewards.base import RewardTimeout, call_with_time_limit
 from megatron_rl.rewards.pool import (
     ScoringAborted,
+    ScoringPoolConfig,
+    make_scoring_pool,
     result_or_abort,
     shared_or_raise,
     submit_or_abort,
@@ -101,6 +103,25 @@ def test_a_stop_request_cancels_a_slow_call_at_once(monkeypatch):
     assert time.time() - start < 30.0  # at the stop, not at the 120 s limit
     assert fn.child is None  # killed, not waited for
     scorer.close()
+
+
+def test_a_stop_request_ends_the_ray_workers_calls_at_once(monkeypatch):
+    """With the Ray pool the calls in flight end with their workers (their isolated children
+    die with them); later batches would be scored in this process."""
+    pool = make_scoring_pool(
+        [python_fn("sleeps_forever", timeout_s=120.0)], ScoringPoolConfig(num_workers=1)
+    )
+    try:
+        handle = pool.submit(inputs(["a"]))
+        monkeypatch.setattr(STOP, "signal", None)
+        threading.Timer(1.0, lambda: setattr(STOP, "signal", "SIGTERM")).start()
+        start = time.time()
+        with pytest.raises(StepAborted, match="rollout/score"):
+            pool.result(handle)
+        assert time.time() - start < 30.0  # at the stop, not at the 120 s limit
+        assert pool.workers == [] and pool.fallback is not None
+    finally:
+        pool.close()
 
 
 def test_scores_cancelled_on_the_scoring_rank_abort_every_rank_of_its_group():
