@@ -329,7 +329,8 @@ def transformer_config(
         persist_layer_norm=False,
         # Interleaved 1F1B with PP=2: the previous and next stage are the same peer, and the
         # batched p2p path posts [send_prev, recv_prev, send_next, recv_next], which pairs
-        # activations with gradients of the same shape silently (Megatron-LM #750, #1450).
+        # activations with gradients of the same shape silently (reported upstream:
+        # github.com/NVIDIA/Megatron-LM/issues/750 and /issues/1450).
         # Unbatched, overlapped p2p keeps forward and backward exchanges apart.
         overlap_p2p_comm=interleaved,
         batch_p2p_comm=not interleaved,
