@@ -103,11 +103,9 @@ class ChildProcess:
         try:
             while True:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                wait = (
-                    left
-                    if cancel is None or (left is not None and left < CANCEL_POLL_S)
-                    else CANCEL_POLL_S
-                )
+                wait = left
+                if cancel is not None:  # wake up to ask it
+                    wait = CANCEL_POLL_S if left is None else min(CANCEL_POLL_S, left)
                 if self._from_child.poll(wait):
                     return self._from_child.recv()
                 if cancel is not None and cancel():
