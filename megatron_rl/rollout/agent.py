@@ -461,6 +461,9 @@ class AgentEngine(EngineWrapper):
     partial_rollouts = False
     """A turn's continuation is its own request: the weights may change between turns, never
     inside one, so there is nothing for a refresh to interrupt."""
+    continues_partial = False
+    """A trajectory a stop cut would need its environment's state, which lives in a worker
+    process and is not saved: its chunk is generated again after the resume."""
 
     def __init__(
         self, engine: Engine, spec: AgentSpec, steps: EnvSteps | SharedEnvSteps, tokenizer
@@ -476,8 +479,9 @@ class AgentEngine(EngineWrapper):
         should_stop: Callable[[], bool] | None = None,
         tasks: list[Task] | None = None,
         refresh: None = None,
+        partial: None = None,
     ) -> list[Sample]:
-        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial)
         tasks = tasks if tasks is not None else [Task(None)] * len(prompts)
         # in flight where the engine streams (vLLM); else turn by turn (`hf`): same samples
         loop = run_in_flight if self.inner.streams else run_turns

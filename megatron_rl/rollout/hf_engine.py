@@ -221,6 +221,8 @@ class HFEngine:
     """`generate` runs to its end: a stop request waits for it (no `should_stop`)."""
     multi_turn = False
     partial_rollouts = False
+    continues_partial = False
+    """A stop never cuts a response (it waits for the call's end): nothing to continue."""
     streams = False
 
     def drop_ahead(self) -> None:
@@ -234,12 +236,13 @@ class HFEngine:
         should_stop: None = None,
         tasks: None = None,
         refresh: None = None,
+        partial: None = None,
     ) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
 
         `seeds`: one per prompt; a request's samples then depend only on its prompt, seed,
         sampling and the weights (not on the other prompts of the call)."""
-        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial)
         if not prompts:
             return []
         require_awake(self, *ENGINE_MEMORY, use="generate")

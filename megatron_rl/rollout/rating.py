@@ -32,8 +32,16 @@ from megatron_rl.preemption import StepAborted
 from megatron_rl.rewards.base import RewardInput
 from megatron_rl.rewards.scorer import check_failure_ratio
 from megatron_rl.rollout.agent import multi_turn_metrics
+from megatron_rl.rollout.progress import GeneratedChunk, RolloutProgress, RolloutStopped
 from megatron_rl.rollout.strategies import Group, RatedSample, make_strategy
-from megatron_rl.rollout.types import Engine, Sample, SamplingConfig, WeightRefresh, request_seed
+from megatron_rl.rollout.types import (
+    Engine,
+    GenerationStopped,
+    Sample,
+    SamplingConfig,
+    WeightRefresh,
+    request_seed,
+)
 
 
 class PromptSource(Protocol):
@@ -69,6 +77,8 @@ class RatedRollout:
     metrics: dict[str, float]
     timeline: list[tuple[str, int, float, float]]
     """("generate" | "score", chunk, start, end) in wall-clock seconds."""
+    progress: RolloutProgress
+    """Every chunk it generated (kept with the checkpoint when a stop ends the step later)."""
 
     @property
     def samples(self) -> list[RatedSample]:
@@ -131,6 +141,10 @@ def generate_samples_with_rating(
     should_stop: Callable[[], bool] | None = None,
     stop_generation: Callable[[], bool] | None = None,
     refresh: WeightRefresh | None = None,
+    progress: RolloutProgress | None = None,
+    stage: str = "train",
+    step: int = 0,
+    replicas: int = 1,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -150,6 +164,11 @@ def generate_samples_with_rating(
     `aborts_generation` only) goes to each engine call, which then aborts within a few engine
     steps; without it a stop during generation waits for the chunk's generation.
     `refresh` goes to each engine call too (partial rollouts: `VLLMEngine.generate`).
+
+    A stop raises `RolloutStopped` with what the rollout generated: `stage` step `step`,
+    this share of `replicas`. `progress`: what an earlier run of this rollout generated
+    before a stop (`rollout/progress.py`): its chunks are taken in place of engine calls,
+    a cut one continued, so no token is generated twice.
     """
     in_engine = {} if stop_generation is None else {"should_stop": stop_generation}
     if refresh is not None:
@@ -167,60 +186,91 @@ def generate_samples_with_rating(
     num_chunks = dropped = generated = 0
     wait_s = 0.0
 
+    generated_chunks: list[GeneratedChunk] = []
+    resumed_tokens = 0
+
+    def so_far(*cut: GeneratedChunk) -> RolloutProgress:
+        return RolloutProgress(stage, step, replicas, sampling, [*generated_chunks, *cut])
+
     def check(phase: str) -> None:
         if should_stop is not None and should_stop():
             raise StepAborted(phase)
 
-    while True:
-        optimistic = len(kept) + sum(len(c.prompts) for c in inflight)
-        if (
-            optimistic < rollout_size
-            and num_chunks < config.max_num_gen_chunks
-            and len(inflight) < config.max_inflight_chunks
-        ):
-            check("rollout/generate")
-            k = min(chunk_size, rollout_size - optimistic) if strategy.exact else chunk_size
-            batch = prompts.take(k)
+    try:
+        while True:
+            optimistic = len(kept) + sum(len(c.prompts) for c in inflight)
+            if (
+                optimistic < rollout_size
+                and num_chunks < config.max_num_gen_chunks
+                and len(inflight) < config.max_inflight_chunks
+            ):
+                check("rollout/generate")
+                k = min(chunk_size, rollout_size - optimistic) if strategy.exact else chunk_size
+                batch = prompts.take(k)
+                rows = [p.row for p in batch]
+                t0 = time.time()
+                ids = [p.prompt_token_ids for p in batch]
+                seeds = None if seed is None else chunk_seeds(seed, batch, num_chunks)
+                tasks = {"tasks": [Task(p.prompt, p.label) for p in batch]} if multi_turn else {}
+                saved = (
+                    None if progress is None else progress.saved_chunk(num_chunks, rows, sampling)
+                )
+                if saved is not None:
+                    resumed_tokens += sum(len(s.token_ids) for s in saved.samples)
+                if saved is not None and saved.finished:
+                    samples = saved.samples
+                else:
+                    more = {} if saved is None else {"partial": saved.samples}
+                    try:
+                        samples = engine.generate(
+                            ids, sampling, seeds, **in_engine, **tasks, **more
+                        )
+                    except GenerationStopped as e:
+                        raise RolloutStopped(
+                            e.phase, so_far(GeneratedChunk(rows, e.samples))
+                        ) from e
+                generated_chunks.append(GeneratedChunk(rows, samples))
+                timeline.append(("generate", num_chunks, t0, time.time()))
+                texts = response_texts(tokenizer, samples)
+                handle = reward_fns.submit(reward_inputs(batch, samples, texts))
+                inflight.append(_Chunk(num_chunks, batch, samples, texts, handle))
+                num_chunks += 1
+                generated += len(batch)
+                continue
+            if not inflight:
+                break
+            check("rollout/score")
+            chunk = inflight.popleft()
             t0 = time.time()
-            ids = [p.prompt_token_ids for p in batch]
-            seeds = None if seed is None else chunk_seeds(seed, batch, num_chunks)
-            tasks = {"tasks": [Task(p.prompt, p.label) for p in batch]} if multi_turn else {}
-            samples = engine.generate(ids, sampling, seeds, **in_engine, **tasks)
-            timeline.append(("generate", num_chunks, t0, time.time()))
-            texts = response_texts(tokenizer, samples)
-            handle = reward_fns.submit(reward_inputs(batch, samples, texts))
-            inflight.append(_Chunk(num_chunks, batch, samples, texts, handle))
-            num_chunks += 1
-            generated += len(batch)
-            continue
-        if not inflight:
-            break
-        check("rollout/score")
-        chunk = inflight.popleft()
-        t0 = time.time()
-        result = reward_fns.result(chunk.handle)
-        wait_s += time.time() - t0
-        timeline.append(("score", chunk.index, result.started, result.finished))
-        scored.append(result.scored)
-        groups: dict[int, Group] = {}
-        for i, (s, text) in enumerate(zip(chunk.samples, chunk.texts, strict=True)):
-            rated = RatedSample(
-                prompt=chunk.prompts[s.prompt_index],
-                sample=s,
-                response=text,
-                reward=result.scored.rewards[i],
-                scores={name: v[i] for name, v in result.scored.scores.items()},
-            )
-            groups.setdefault(s.prompt_index, []).append(rated)
-        for index in sorted(groups):
-            if strategy.keep(groups[index]):
-                kept.append(groups[index])
-            else:
-                dropped += 1
+            result = reward_fns.result(chunk.handle)
+            wait_s += time.time() - t0
+            timeline.append(("score", chunk.index, result.started, result.finished))
+            scored.append(result.scored)
+            groups: dict[int, Group] = {}
+            for i, (s, text) in enumerate(zip(chunk.samples, chunk.texts, strict=True)):
+                rated = RatedSample(
+                    prompt=chunk.prompts[s.prompt_index],
+                    sample=s,
+                    response=text,
+                    reward=result.scored.rewards[i],
+                    scores={name: v[i] for name, v in result.scored.scores.items()},
+                )
+                groups.setdefault(s.prompt_index, []).append(rated)
+            for index in sorted(groups):
+                if strategy.keep(groups[index]):
+                    kept.append(groups[index])
+                else:
+                    dropped += 1
+    except RolloutStopped:
+        raise
+    except StepAborted as e:  # between chunks, or a scoring call cancelled
+        raise RolloutStopped(e.phase, so_far()) from e
     metrics = check_failure_ratio(scored, config.max_failure_ratio)
     final, strategy_metrics = strategy.finalize(kept, rollout_size)
     metrics.update(strategy_metrics)
     metrics.update(_rollout_metrics(final, rollout_size, num_chunks, generated, dropped))
+    if progress is not None:  # tokens a stop's checkpoint kept, not generated again
+        metrics["rollout/resumed_tokens"] = float(resumed_tokens)
     if multi_turn:
         metrics.update(multi_turn_metrics([r.sample for g in final for r in g]))
     gen_s = sum(e - s for kind, _, s, e in timeline if kind == "generate")
@@ -234,7 +284,7 @@ def generate_samples_with_rating(
             "timing/rollout_s": total_s,
         }
     )
-    return RatedRollout(final, metrics, timeline)
+    return RatedRollout(final, metrics, timeline, so_far())
 
 
 def _rollout_metrics(groups, rollout_size, num_chunks, generated, dropped) -> dict[str, float]:

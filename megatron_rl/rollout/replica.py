@@ -29,6 +29,7 @@ from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.types import (
     Engine,
     EngineWrapper,
+    GenerationStopped,
     Sample,
     SamplingConfig,
     WeightRefresh,
@@ -86,6 +87,11 @@ class RolloutLayout:
                     "engine would be fed two replicas' prompts. Use a vLLM TP that divides "
                     f"parallel.tensor_model_parallel_size={tp} (the default is TP itself)"
                 )
+
+
+def shift(samples: list[Sample], by: int) -> list[Sample]:
+    """`samples` with their `prompt_index` moved by `by` (into or out of an engine's share)."""
+    return [replace(s, prompt_index=s.prompt_index + by) for s in samples]
 
 
 class ReplicaEngine(EngineWrapper):
@@ -150,14 +156,19 @@ class ReplicaEngine(EngineWrapper):
         should_stop: Callable[[], bool] | None = None,
         tasks: list | None = None,
         refresh: WeightRefresh | None = None,
+        partial: list[Sample] | None = None,
     ) -> list[Sample]:
         """`should_stop` (engines with `aborts_generation` only): an engine that aborts
         still takes part in the gather, so every rank of the replica raises `StepAborted`
-        together, once the replica's other engines have finished their shares. `tasks`
-        (multi-turn engines, `rollout/agent.py`): one per prompt, shared like the prompts."""
-        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
+        together, once the replica's other engines have finished their shares
+        (`GenerationStopped` with every engine's responses where each can tell them).
+        `tasks` (multi-turn engines, `rollout/agent.py`) and `partial`: shared like the
+        prompts."""
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial, sampling.n)
         if self.num_engines == 1:
-            return self.inner.generate(prompts, sampling, seeds, should_stop, tasks, refresh)
+            return self.inner.generate(
+                prompts, sampling, seeds, should_stop, tasks, refresh, partial
+            )
         lo, hi = self.share(len(prompts))
         aborted = False
         try:
@@ -167,15 +178,25 @@ class ReplicaEngine(EngineWrapper):
                 None if seeds is None else seeds[lo:hi],
                 should_stop,
                 None if tasks is None else tasks[lo:hi],
+                partial=None
+                if partial is None
+                else shift(partial[lo * sampling.n : hi * sampling.n], -lo),
             )
+        except GenerationStopped as e:
+            mine, aborted = e.samples, True
         except StepAborted:
-            mine, aborted = [], True
-        mine = [replace(s, prompt_index=s.prompt_index + lo) for s in mine]
+            mine, aborted = None, True
+        mine = None if mine is None else shift(mine, lo)
         shares = gather_over_model_parallel(
             (self.engine_index, mine, aborted) if self.is_engine_source else None
         )
         shares = [s for s in shares if s is not None]
-        if any(engine_aborted for _, _, engine_aborted in shares):
-            raise StepAborted("rollout/generate")
         by_engine = {e: samples for e, samples, _ in shares}
-        return [s for e in range(self.num_engines) for s in by_engine[e]]
+        samples = None
+        if all(by_engine[e] is not None for e in range(self.num_engines)):
+            samples = [s for e in range(self.num_engines) for s in by_engine[e]]
+        if any(engine_aborted for _, _, engine_aborted in shares):
+            if samples is None:
+                raise StepAborted("rollout/generate")
+            raise GenerationStopped("rollout/generate", samples)
+        return samples

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from megatron_rl.envs.base import Task
+from megatron_rl.preemption import StepAborted
 
 ABORT_CHECK_STEPS = 8
 """Engine steps (one decode step, or one prefill chunk, each) between stop checks: the
@@ -71,7 +72,8 @@ class Sample:
     `processed_logprobs`; its default would report the untempered, untruncated ones)."""
     finish_reason: str
     """"stop" (EOS or a stop token) or "length" (hit max_new_tokens); multi-turn rollouts
-    also end with "max_turns" or "budget" (`rollout.multi_turn`)."""
+    also end with "max_turns" or "budget" (`rollout.multi_turn`); `UNFINISHED` for a
+    response a stop request cut (`GenerationStopped`), to be continued (`partial`)."""
     segments: list[tuple[int, int]] = field(default_factory=list)
     """Partial rollouts (`generate(..., refresh=...)`): (index of its first token, policy
     version) of each stretch of `token_ids` sampled under one set of weights, in order.
@@ -92,6 +94,10 @@ class Sample:
     tool_status: list[str] = field(default_factory=list)
     """Multi-turn rollouts: how each tool call went ("ok", "error", "timeout", ...: the
     environment's `info["status"]`), in order."""
+    sampler_state: bytes | None = None
+    """A response a stop cut (`UNFINISHED`), of a seeded request: its request's random
+    state at the cut (`rollout/sampler_state.py`), so its continuation draws what the
+    uncut request would have. None otherwise."""
 
     @property
     def response_length(self) -> int:
@@ -115,6 +121,22 @@ class Sample:
     def mixed_version(self) -> bool:
         """Whether its tokens come from more than one policy version."""
         return len({v for _, v in self.segments}) > 1
+
+
+UNFINISHED = "abort"
+"""The finish reason of a response a stop request cut before its end (vLLM's word for an
+aborted request): its tokens so far are kept and `generate(..., partial=...)` continues it."""
+
+
+class GenerationStopped(StepAborted):
+    """A stop request ended a `generate` call (`aborts_generation` engines): `samples` are
+    every response of the call as far as it got, prompt-major, the cut ones with finish
+    reason `UNFINISHED`. A rollout keeps them with the step's checkpoint
+    (`rollout/progress.py`) and continues them after the resume."""
+
+    def __init__(self, phase: str, samples: list[Sample]):
+        super().__init__(phase)
+        self.samples = samples
 
 
 class WeightRefresh(Protocol):
@@ -181,6 +203,8 @@ class Engine(Protocol):
     """`generate` takes `tasks` (one per prompt) and runs environment turns."""
     partial_rollouts: bool
     """`generate` takes `refresh` (new weights loaded mid-generation)."""
+    continues_partial: bool
+    """`generate` takes `partial` (responses a stop cut, continued from their tokens)."""
     streams: bool
     """It is a `StreamingEngine` (requests added and stepped one by one)."""
     awake: set[str]
@@ -197,9 +221,13 @@ class Engine(Protocol):
         should_stop: Callable[[], bool] | None = None,
         tasks: list[Task] | None = None,
         refresh: WeightRefresh | None = None,
+        partial: list[Sample] | None = None,
     ) -> list[Sample]:
         """`sampling.n` responses per prompt, prompt-major; `seeds`: one per prompt (a
-        request's samples then depend only on its prompt, seed, sampling and weights)."""
+        request's samples then depend only on its prompt, seed, sampling and weights).
+        `partial`: every response of this call as an earlier, stopped call left it
+        (`GenerationStopped.samples`): the finished ones are returned as they are, the
+        `UNFINISHED` ones continued from their tokens."""
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """Log-prob of every token after the first of each sequence at temperature 1."""
@@ -244,14 +272,18 @@ def check_generate(
     should_stop: Callable[[], bool] | None = None,
     tasks: Sequence[Task] | None = None,
     refresh: WeightRefresh | None = None,
+    partial: Sequence[Sample] | None = None,
+    n: int | None = None,
 ) -> None:
     """What every `generate` checks first: one seed and one task per prompt, no empty
-    prompt, and no argument the engine cannot honour (its `Engine` flags)."""
+    prompt, no argument the engine cannot honour (its `Engine` flags), and `partial`
+    holding each of the `n` responses of every prompt once, with the prompt's tokens."""
     name = type(engine).__name__
     for arg, value, flag, can in (
         ("should_stop", should_stop, "aborts_generation", engine.aborts_generation),
         ("tasks", tasks, "multi_turn", engine.multi_turn),
         ("refresh", refresh, "partial_rollouts", engine.partial_rollouts),
+        ("partial", partial, "continues_partial", engine.continues_partial),
     ):
         if value is not None and not can:
             raise ValueError(f"{name}.generate does not take {arg} ({name}.{flag} is False)")
@@ -261,6 +293,26 @@ def check_generate(
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+    if partial is not None:
+        check_partial(prompts, partial, n)
+
+
+def check_partial(prompts: Sequence[Sequence[int]], partial: Sequence[Sample], n: int | None):
+    """`partial` is the whole of a call of `prompts` with `n` samples each (prompt-major),
+    each response with the tokens of its prompt."""
+    expected = [(i, j) for i in range(len(prompts)) for j in range(n or 0)]
+    found = [(s.prompt_index, s.sample_index) for s in partial]
+    if found != expected:
+        raise ValueError(
+            f"partial responses {found[:4]}... are not the {len(expected)} (prompt, sample) "
+            f"pairs of {len(prompts)} prompts x {n} samples, prompt-major"
+        )
+    for s in partial:
+        if list(s.prompt_token_ids) != list(prompts[s.prompt_index]):
+            raise ValueError(
+                f"partial response ({s.prompt_index}, {s.sample_index}) belongs to another "
+                "prompt than the one it is given with"
+            )
 
 
 def require_awake(engine: Engine, *parts: str, use: str) -> None:
@@ -291,6 +343,10 @@ class EngineWrapper:
     @property
     def partial_rollouts(self) -> bool:
         return self.inner.partial_rollouts
+
+    @property
+    def continues_partial(self) -> bool:
+        return self.inner.continues_partial
 
     streams = False
     """A wrapper's `generate` is its own: callers never step its inner engine's streams."""

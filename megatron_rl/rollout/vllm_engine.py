@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.preemption import StepAborted
-from megatron_rl.rollout import routes, vllm_cpu_experts
+from megatron_rl.rollout import routes, sampler_state, vllm_cpu_experts
 from megatron_rl.rollout.types import (
     ABORT_CHECK_STEPS,
     ENGINE_MEMORY,
+    UNFINISHED,
     EngineConfig,
+    GenerationStopped,
     Sample,
     SamplingConfig,
     WeightRefresh,
@@ -63,6 +64,8 @@ class _Partial:
     logprobs: list[float]
     segments: list[tuple[int, int]]
     finish_reason: str | None = None
+    sampler_state: bytes | None = None
+    """Its request's random state where a stop cut it (`rollout/sampler_state.py`)."""
 
 
 @dataclass
@@ -170,6 +173,8 @@ class VLLMEngine:
         self._requests: dict[str, tuple[_Round, int, int | None]] = {}
         """Resumable requests in vLLM: id -> (round, prompt index, sample index or None for
         the request's n samples)."""
+        self._runner_ids: dict[str, str] = {}
+        """Resumable request id -> the id vLLM's runner knows it by (a suffix added)."""
         self._streams: dict[str, object] = {}
         """Streamed requests in vLLM (`stream_submit`): id -> the caller's key."""
         self._ahead: _Round | None = None
@@ -196,6 +201,9 @@ class VLLMEngine:
         if cfg.record_routes:
             topk = self.llm.llm_engine.model_config.hf_config.num_experts_per_tok
             self.llm.collective_rpc(routes.install_worker, args=(topk,))
+        self.exact_continuation = all(self.llm.collective_rpc(sampler_state.install_worker))
+        """Whether a response a stop cut continues with its request's own random state
+        (vLLM's V1 runner; elsewhere with its `continuation_seed`)."""
 
     def shutdown(self) -> None:
         """Release the engine and its process groups now (vLLM would otherwise do it from a
@@ -276,6 +284,7 @@ class VLLMEngine:
     """`generate` takes `should_stop` (the trainer passes its stop request)."""
     multi_turn = False
     partial_rollouts = True
+    continues_partial = True
     streams = True
 
     def generate(
@@ -286,6 +295,7 @@ class VLLMEngine:
         should_stop: Callable[[], bool] | None = None,
         tasks: None = None,
         refresh: WeightRefresh | None = None,
+        partial: list[Sample] | None = None,
     ) -> list[Sample]:
         """Sample `sampling.n` responses for each prompt (token ids); prompt-major order.
 
@@ -293,7 +303,9 @@ class VLLMEngine:
         whatever else the engine generated before, which checkpoint/resume relies on.
         `should_stop`: this rank's stop request, asked every `ABORT_CHECK_STEPS` engine steps
         and agreed over the engine's ranks; yes aborts every request and raises
-        `StepAborted("rollout/generate")`, leaving the engine empty and reusable.
+        `GenerationStopped("rollout/generate")` with every response as far as it got,
+        leaving the engine empty and reusable. `partial`: those responses, continued (the
+        cut ones re-prefilled from their tokens, each with its own `continuation_seed`).
         `refresh`: partial rollouts (AReaL's interruptible generation, Fu et al. 2025, arXiv
         2505.24298): asked at the same checks whether newer weights wait; yes aborts every
         request, keeping what it generated, loads them, and continues each unfinished
@@ -303,30 +315,33 @@ class VLLMEngine:
         round it names is admitted at a check (its requests fill the batch slots this one's
         tail leaves) and runs on after this call returns; the next call, which must ask for
         those prompts and seeds, adopts it (any other use of the engine pauses it first)."""
-        check_generate(self, prompts, seeds, should_stop, tasks, refresh)
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial, sampling.n)
         if not prompts:
             return []
         require_awake(self, *ENGINE_MEMORY, use="generate")
-        if refresh is not None:
-            if self.config.record_routes:
-                raise ValueError(
-                    "routed experts are not recorded across partial rollouts (a continued "
-                    "response is re-prefilled under new weights: its earlier tokens' routes "
-                    "would not be those that sampled them)"
-                )
-            states = self._generate_resumable(prompts, sampling, seeds, should_stop, refresh)
-            return [
-                Sample(i, j, list(prompts[i]), st.tokens, st.logprobs, st.finish_reason,
-                       st.segments)
-                for (i, j), st in sorted(states.items())
-            ]  # fmt: skip
-        self._park()
-        params = self._request_params(sampling, seeds, len(prompts))
-        inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-        if should_stop is None:
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        if refresh is not None and self.config.record_routes:
+            raise ValueError(
+                "routed experts are not recorded across partial rollouts (a continued "
+                "response is re-prefilled under new weights: its earlier tokens' routes "
+                "would not be those that sampled them)"
+            )
+        if refresh is None and should_stop is None and partial is None:
+            self._park()
+            params = self._request_params(sampling, seeds, len(prompts))
+            inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+            samples = self._samples(prompts, self.llm.generate(inputs, params, use_tqdm=False))
         else:
-            outputs = self._generate_abortable(inputs, params, should_stop)
+            states = self._generate_resumable(
+                prompts, sampling, seeds, should_stop, refresh, partial
+            )
+            samples = self._response_samples(prompts, states)
+        if self.config.record_routes:
+            self._attach_routes(samples)
+        return samples
+
+    @staticmethod
+    def _samples(prompts, outputs) -> list[Sample]:
+        """`LLM.generate`'s outputs as Samples, prompt-major."""
         samples = []
         for prompt_index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
             for completion in sorted(out.outputs, key=lambda c: c.index):
@@ -345,9 +360,18 @@ class VLLMEngine:
                         finish_reason=completion.finish_reason,
                     )
                 )
-        if self.config.record_routes:
-            self._attach_routes(samples)
         return samples
+
+    @staticmethod
+    def _response_samples(prompts, states: dict[tuple[int, int], _Partial]) -> list[Sample]:
+        """The responses of a resumable call as Samples, prompt-major; one a stop cut has
+        finish reason UNFINISHED."""
+        return [
+            Sample(i, j, list(prompts[i]), list(st.tokens), list(st.logprobs),
+                   st.finish_reason or UNFINISHED, list(st.segments),
+                   sampler_state=st.sampler_state)
+            for (i, j), st in sorted(states.items())
+        ]  # fmt: skip
 
     def _attach_routes(self, samples: list[Sample]) -> None:
         """Each sample's recorded routes (`rollout/routes.py`), from the engine's first
@@ -362,22 +386,6 @@ class VLLMEngine:
                 )
             sample.routed_experts = rows
 
-    def _generate_abortable(self, inputs, params, should_stop: Callable[[], bool]) -> list:
-        """`LLM.generate`'s loop (`_run_engine`: step until no request is unfinished), with a
-        stop check every ABORT_CHECK_STEPS steps. Why not `LLM.generate` itself: it has no
-        hook per step, and an exception raised out of it leaves the requests registered in
-        the engine, which the next call would then return too (vllm#17738)."""
-        engine = self.llm.llm_engine
-        self.llm.enqueue(inputs, params, use_tqdm=False)
-        outputs, steps = [], 0
-        while engine.has_unfinished_requests():
-            if steps % ABORT_CHECK_STEPS == 0 and self._any_engine_rank(should_stop()):
-                self._abort_all()
-                raise StepAborted("rollout/generate")
-            outputs += [out for out in engine.step() if out.finished]
-            steps += 1
-        return sorted(outputs, key=lambda out: int(out.request_id))  # as `_run_engine` does
-
     @staticmethod
     def _request_params(sampling: SamplingConfig, seeds, n_prompts: int):
         """vLLM's SamplingParams: one for every prompt, or one each with its seed."""
@@ -389,24 +397,42 @@ class VLLMEngine:
             p.seed = seed
         return params
 
-    def _new_round(self, prompts, sampling: SamplingConfig, seeds, version: int) -> _Round:
+    def _new_round(
+        self, prompts, sampling: SamplingConfig, seeds, version: int | None, partial=None
+    ) -> _Round:
+        """The round of one `generate` call, its requests in vLLM: each prompt's n samples
+        as one request; with `partial`, only the unfinished responses, continued."""
         params = self._request_params(sampling, seeds, len(prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        states = {
-            (i, j): _Partial([], [], [(0, version)])
-            for i, p in enumerate(per_prompt)
-            for j in range(p.n)
-        }
+        segments = [] if version is None else [(0, version)]
+        if partial is None:
+            states = {
+                (i, j): _Partial([], [], list(segments))
+                for i, p in enumerate(per_prompt)
+                for j in range(p.n)
+            }
+        else:
+            states = {
+                (s.prompt_index, s.sample_index): _Partial(
+                    list(s.token_ids), list(s.logprobs), list(s.segments or segments),
+                    None if s.finish_reason == UNFINISHED else s.finish_reason,
+                    s.sampler_state,
+                )
+                for s in partial
+            }  # fmt: skip
         seeds = None if seeds is None else list(seeds)
         rnd = _Round([list(p) for p in prompts], per_prompt, sampling, seeds, states)
+        if partial is not None:
+            self._resume(rnd, version)
+            return rnd
         for i, (prompt, p) in enumerate(zip(rnd.prompts, per_prompt, strict=True)):
             self._submit(rnd, i, None, p, prompt)
         rnd.running = True
         return rnd
 
-    def _submit(self, rnd: _Round, i: int, j: int | None, p, prompt: list[int]) -> None:
+    def _submit(self, rnd: _Round, i: int, j: int | None, p, prompt: list[int]) -> str:
         """Add a request for prompt `i` (sample `j`, or all n), its outputs per step (DELTA),
-        so that an abort keeps what it generated."""
+        so that an abort keeps what it generated; returns the id its runner knows."""
         # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm.sampling_params import RequestOutputKind
 
@@ -414,28 +440,56 @@ class VLLMEngine:
         p.output_kind = RequestOutputKind.DELTA
         rid = str(next(self.llm.request_counter))
         self._requests[rid] = (rnd, i, j)
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+        runner_id = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+        self._runner_ids[rid] = runner_id
+        return runner_id
 
-    def _resume(self, rnd: _Round, version: int) -> None:
+    def _resume(self, rnd: _Round, version: int | None) -> None:
         """Continue every unfinished response of an aborted round from its prompt and tokens
         so far (re-prefilled), a new segment where `version` is not the one that made its
-        last tokens."""
+        last tokens (None: versions are not told). One a stop cut takes back its request's
+        random state."""
+        states = {}
         for (i, j), st in rnd.states.items():
             if st.finish_reason is None:
-                if version != st.segments[-1][1]:  # (a load may only evaluate)
+                if version is not None and version != st.segments[-1][1]:
                     if st.segments[-1][0] == len(st.tokens):  # before any token
                         st.segments.pop()
                     st.segments.append((len(st.tokens), version))
                 p = rnd.params[i].clone()
                 p.n, p.max_tokens = 1, rnd.params[i].max_tokens - len(st.tokens)
                 p.seed = continuation_seed(rnd.params[i].seed, j, len(st.tokens))
-                self._submit(rnd, i, j, p, [*rnd.prompts[i], *st.tokens])
+                runner_id = self._submit(rnd, i, j, p, [*rnd.prompts[i], *st.tokens])
+                if st.sampler_state is not None and p.seed is not None:
+                    states[runner_id], st.sampler_state = st.sampler_state, None
+        if states:
+            self.llm.collective_rpc(sampler_state.restore_worker, args=(states,))
         rnd.running = True
+
+    def _read_sampler_states(self, rnd: _Round) -> None:
+        """Keep each unfinished response's random state (before a stop aborts it), where
+        its runner sampled exactly the tokens received."""
+        if not self.exact_continuation:
+            return
+        where = {}  # runner id -> (prompt index, sample index)
+        for rid, (owner, i, j) in self._requests.items():
+            if owner is rnd:
+                runner_id, n = self._runner_ids[rid], rnd.params[i].n
+                if j is not None or n == 1:
+                    where[runner_id] = (i, 0 if j is None else j)
+                else:  # vLLM's children of an n-sample request
+                    where.update({f"{c}_{runner_id}": (i, c) for c in range(n)})
+        found = self.llm.collective_rpc(sampler_state.read_worker, args=(list(where),))[0]
+        for runner_id, (sampled, state) in found.items():
+            st = rnd.states[where[runner_id]]
+            if st.finish_reason is None and sampled == len(st.tokens):
+                st.sampler_state = state
 
     def _interrupt(self, *rounds: _Round | None) -> None:
         """Abort every request, keeping what each response generated."""
         self._abort_all()
         self._requests.clear()
+        self._runner_ids.clear()
         for rnd in rounds:
             if rnd is not None:
                 rnd.running = False
@@ -452,48 +506,47 @@ class VLLMEngine:
         self._ahead = None
 
     def _generate_resumable(
-        self, prompts, sampling, seeds, should_stop, refresh: WeightRefresh
+        self, prompts, sampling, seeds, should_stop, refresh: WeightRefresh | None, partial
     ) -> dict[tuple[int, int], _Partial]:
-        """`_generate_abortable` with per-step (DELTA) outputs, so that a weight refresh can
-        abort every request without losing its tokens and continue it, and with the next
-        round admitted ahead where `refresh.next_round` allows: (prompt index, sample
-        index) -> the response."""
+        """`LLM.generate`'s loop (`_run_engine`: step until no response is unfinished) with
+        per-step (DELTA) outputs and a check every ABORT_CHECK_STEPS steps: a stop aborts
+        every request keeping its tokens (`GenerationStopped`), a weight refresh aborts
+        them, loads, and continues them, and the next round is admitted ahead where
+        `refresh.next_round` allows: (prompt index, sample index) -> the response. Why not
+        `LLM.generate` itself: it has no hook per step, and an exception raised out of it
+        leaves the requests registered in the engine, which the next call would then return
+        too (vllm#17738)."""
         if self._ahead is not None and not self._ahead.same(prompts, sampling, seeds):
             raise RuntimeError(
                 "the round admitted ahead (next_round) is not the one generated next: its "
                 "prompts or seeds differ (drop_ahead when a run of rounds ends)"
             )
+        if partial is not None and self._ahead is not None:
+            raise RuntimeError("partial responses cannot be continued beside a round ahead")
         current, self._ahead = self._ahead, None
+        version = None if refresh is None else refresh.version
         if current is None:
-            current = self._new_round(prompts, sampling, seeds, refresh.version)
+            current = self._new_round(prompts, sampling, seeds, version, partial)
         elif not current.running:
-            self._resume(current, refresh.version)
+            self._resume(current, version)
         steps = 0
         while current.left:
             if steps % ABORT_CHECK_STEPS == 0:
                 if should_stop is not None and self._any_engine_rank(should_stop()):
+                    self._read_sampler_states(current)
                     self._interrupt(current, self._ahead)
                     self._ahead = None
-                    raise StepAborted("rollout/generate")
-                if self._any_engine_rank(refresh.pending()):
-                    self._interrupt(current, self._ahead)
-                    version = refresh.load()
-                    for rnd in (current, self._ahead):
-                        if rnd is not None:
-                            self._resume(rnd, version)
-                if self._ahead is None:
-                    admitted = refresh.next_round()
-                    if admitted is not None:
-                        ahead_prompts, ahead_seeds = admitted
-                        self._ahead = self._new_round(
-                            ahead_prompts, sampling, ahead_seeds, refresh.version
-                        )
+                    raise GenerationStopped(
+                        "rollout/generate", self._response_samples(prompts, current.states)
+                    )
+                if refresh is not None:
+                    self._refresh(current, sampling, refresh)
             if not self.llm.llm_engine.has_unfinished_requests():
                 raise RuntimeError("vLLM holds no request for the responses still unfinished")
             for out in self.llm.llm_engine.step():
                 rnd, i, j = self._requests[out.request_id]
                 if out.finished:
-                    del self._requests[out.request_id]
+                    del self._requests[out.request_id], self._runner_ids[out.request_id]
                 for c in out.outputs:
                     st = rnd.states[(i, c.index if j is None else j)]
                     st.tokens += c.token_ids
@@ -505,6 +558,22 @@ class VLLMEngine:
                         rnd.left -= 1
             steps += 1
         return current.states
+
+    def _refresh(self, current: _Round, sampling: SamplingConfig, refresh: WeightRefresh):
+        """At a check of a partial rollout: load newer weights when they wait (every
+        request aborted, then continued under them), and admit the next round when
+        `refresh.next_round` names it."""
+        if self._any_engine_rank(refresh.pending()):
+            self._interrupt(current, self._ahead)
+            version = refresh.load()
+            for rnd in (current, self._ahead):
+                if rnd is not None:
+                    self._resume(rnd, version)
+        if self._ahead is None:
+            admitted = refresh.next_round()
+            if admitted is not None:
+                ahead_prompts, ahead_seeds = admitted
+                self._ahead = self._new_round(ahead_prompts, sampling, ahead_seeds, refresh.version)
 
     # ------------------------------------------------------------------ streaming requests
     # For loops that decide per request as outputs arrive (multi-turn rollouts in flight,

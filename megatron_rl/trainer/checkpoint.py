@@ -236,13 +236,17 @@ class CheckpointManager:
         path.rename(aside)
         return aside
 
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of `step` is (or would be) once complete."""
+        return self.root / f"step_{step:06d}"
+
     def save(
         self, step: int, write_roles, rng: dict, trainer_state: dict, config_yaml: str
     ) -> Path:
         """`write_roles(dir)`: every rank writes the roles' distributed checkpoints there."""
-        name = f"step_{step:06d}"
+        final = self.path(step)
+        name = final.name
         tmp = self.root / f".{name}.tmp"
-        final = self.root / name
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".*.tmp"):  # a save that was killed

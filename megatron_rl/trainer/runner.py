@@ -31,7 +31,13 @@ from megatron_rl.parallel.collectives import (
     reduce_over_ranks,
 )
 from megatron_rl.preemption import STOP, StepAborted, grace_warning
-from megatron_rl.rollout.service import STAGES, RolloutService
+from megatron_rl.rollout.service import (
+    STAGES,
+    RolloutProgress,
+    RolloutService,
+    load_progress,
+    save_progress,
+)
 from megatron_rl.rollout.types import ENGINE_MEMORY, request_seed
 from megatron_rl.trainer.checkpoint import (
     HF_EXPORTS,
@@ -112,6 +118,12 @@ class RLTrainer:
         self.nonfinite_in_a_row = 0
         self.saved_progress: int | None = None
         """The progress (value-pretraining + PPO steps) of the last save or resume."""
+        self.step_rollout: dict[int, RolloutProgress] = {}
+        """What this rank keeps of the step's rollout if a stop ends the step (by replica:
+        `Rollout.progress`), saved with the step's start so the resume generates no token
+        twice; empty between steps."""
+        self.resumed_rollout: dict[int, RolloutProgress] = {}
+        """The rollout progress the checkpoint resumed from kept, until its step takes it."""
 
     # ------------------------------------------------------------------ stop requests
 
@@ -141,6 +153,8 @@ class RLTrainer:
             set_rng_state(rng)
             self.save_after_abort(stage, e.phase, started)
             return None
+        finally:
+            self.step_rollout = {}
 
     def save_after_abort(self, stage: str, phase: str, started: float) -> None:
         progress = self.value_pretrain_step + self.step
@@ -157,6 +171,9 @@ class RLTrainer:
         if self.saved_progress == progress:
             if self.ctx.rank == 0:
                 print(f"step {step} is the newest checkpoint already: nothing to save", flush=True)
+            # the rollout's progress joins it (each file whole: temp, then rename)
+            self.keep_rollout(self.checkpoints.path(progress))
+            torch.distributed.barrier()
         else:
             self.save()
         since = STOP.since  # None on a rank the request did not reach yet
@@ -267,7 +284,8 @@ class RLTrainer:
         """This DP rank's rated groups for one step, trimmed to the same count on every DP
         rank (dynamic filtering can come back short), and the rollout metrics; a stop
         request that aborted the rollout on some rank aborts the step on all."""
-        rollout = self.rollout.generate(stage, step, self.prompts)
+        rollout = self.rollout.generate(stage, step, self.prompts, self.resumed_rollout)
+        self.step_rollout, self.resumed_rollout = rollout.progress, {}
         self.abort_point(rollout.aborted or "rollout", rollout.aborted is not None)
         groups, metrics = rollout.groups, rollout.metrics
         groups = groups[: data_parallel_min(len(groups))]
@@ -485,6 +503,7 @@ class RLTrainer:
 
         def write_roles(out):
             save_roles(out, self.roles.trained, sources, self.checkpoints.layout)
+            self.keep_rollout(out)
 
         trainer_state = {
             "step": self.step,
@@ -508,6 +527,19 @@ class RLTrainer:
             slow = grace_warning("this save", seconds, c.trainer.stop_grace_s)
             if slow:
                 print(slow, flush=True)
+
+    def keep_rollout(self, checkpoint: Path) -> None:
+        """Write what this rank keeps of an aborted step's rollout into `checkpoint`."""
+        if not self.step_rollout:
+            return
+        save_progress(checkpoint, self.step_rollout)
+        for replica, p in sorted(self.step_rollout.items()):
+            print(
+                f"kept {p.tokens} generated tokens of {p.stage} step {p.step + 1}'s rollout "
+                f"(replica {replica}: {len(p.chunks)} chunk(s), {p.unfinished} response(s) "
+                f"unfinished) with {checkpoint.name}",
+                flush=True,
+            )
 
     @in_phase("save_hf")
     def save_hf(self) -> Path:
@@ -565,6 +597,7 @@ class RLTrainer:
         self.value_pretrain_step = trainer_state["value_pretrain_step"]
         self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
         self.saved_progress = self.value_pretrain_step + self.step
+        self.resumed_rollout = load_progress(path)
         self.send_weights()  # the engines started from the HF weights
         position = (1, self.step) if self.value_pretrain_done else (0, self.value_pretrain_step)
         dropped = self.logger.rewind(position)

@@ -12,9 +12,11 @@ from megatron_rl.rollout.agent import AgentEngine
 from megatron_rl.rollout.hf_engine import HFEngine
 from megatron_rl.rollout.replica import ReplicaEngine
 from megatron_rl.rollout.types import (
+    UNFINISHED,
     Engine,
     EngineAsleep,
     EngineWrapper,
+    Sample,
     StreamingEngine,
     check_generate,
     require_awake,
@@ -60,7 +62,17 @@ class _Engine:
 
     def __init__(self, aborts=False, multi_turn=False, partial=False):
         self.aborts_generation, self.multi_turn, self.partial_rollouts = aborts, multi_turn, partial
+        self.continues_partial = partial
         self.awake = {"weights"}
+
+
+def _responses(prompts, n, **changes) -> list[Sample]:
+    """Every (prompt, sample) pair's response so far, prompt-major."""
+    return [
+        Sample(i, j, list(p), [7], [-0.1], UNFINISHED, **changes)
+        for i, p in enumerate(prompts)
+        for j in range(n)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -69,6 +81,7 @@ class _Engine:
         ({"should_stop": lambda: False}, r"_Engine.generate does not take should_stop \(_Engine.aborts_generation is False\)"),
         ({"tasks": [None, None]}, r"does not take tasks \(_Engine.multi_turn is False\)"),
         ({"refresh": object()}, r"does not take refresh \(_Engine.partial_rollouts is False\)"),
+        ({"partial": _responses([[1], [2]], 2), "n": 2}, r"does not take partial \(_Engine.continues_partial is False\)"),
     ],
 )  # fmt: skip
 def test_an_argument_the_engine_cannot_honour_is_refused_by_name(kwargs, message):
@@ -76,6 +89,19 @@ def test_an_argument_the_engine_cannot_honour_is_refused_by_name(kwargs, message
         check_generate(_Engine(), [[1], [2]], None, **kwargs)
     able = _Engine(aborts=True, multi_turn=True, partial=True)
     check_generate(able, [[1], [2]], [5, 6], **kwargs)
+
+
+def test_partial_responses_are_every_pair_of_the_call_with_its_prompt():
+    able, prompts = _Engine(partial=True), [[1], [2]]
+    with pytest.raises(ValueError, match=r"not the 4 \(prompt, sample\) pairs of 2 prompts x 2"):
+        check_generate(able, prompts, None, partial=_responses(prompts, 2)[:3], n=2)
+    swapped = _responses(prompts, 2)
+    swapped[0], swapped[2] = swapped[2], swapped[0]
+    with pytest.raises(ValueError, match="not the 4"):
+        check_generate(able, prompts, None, partial=swapped, n=2)
+    other = _responses([[1], [3]], 2)
+    with pytest.raises(ValueError, match=r"\(1, 0\) belongs to another prompt"):
+        check_generate(able, prompts, None, partial=other, n=2)
 
 
 def test_seeds_and_tasks_are_one_per_prompt_and_no_prompt_is_empty():

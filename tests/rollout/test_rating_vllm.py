@@ -16,8 +16,9 @@ from megatron_rl.rewards import (
     ScoringPoolConfig,
     make_scoring_pool,
 )
+from megatron_rl.rollout.progress import RolloutStopped, load_progress, save_progress
 from megatron_rl.rollout.rating import RatingConfig, generate_samples_with_rating
-from megatron_rl.rollout.types import SamplingConfig
+from megatron_rl.rollout.types import EngineWrapper, SamplingConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -247,3 +248,99 @@ def test_ray_pool_scores_in_process_once_its_workers_are_gone(ray_session, capsy
         assert "workers are gone" not in capsys.readouterr().out  # said once
     finally:
         pool.close()
+
+
+class Counting(EngineWrapper):
+    """The real engine, its calls recorded as (prompts, given partial responses); in call
+    `stop_in_call` a stop request comes at the engine's second check (inside generation)."""
+
+    def __init__(self, inner, stop_in_call: int | None = None):
+        super().__init__(inner)
+        self.calls, self.stop_in_call = [], stop_in_call
+
+    def generate(self, prompts, sampling, seeds=None, should_stop=None, tasks=None,
+                 refresh=None, partial=None):  # fmt: skip
+        self.calls.append((len(prompts), partial is not None))
+        if len(self.calls) == self.stop_in_call:
+            checks = []
+            should_stop = lambda: checks.append(1) or len(checks) == 2  # noqa: E731
+        return self.inner.generate(prompts, sampling, seeds, should_stop, tasks, refresh, partial)
+
+
+KEPT = SamplingConfig(n=2, max_new_tokens=32, ignore_eos=True)
+
+
+def kept_rollout(dataset, engine, tokenizer, progress=None, should_stop=None):
+    """6 prompts in chunks of 2, `train` step 3 of replica 0 of 1."""
+    return generate_samples_with_rating(
+        PromptStream(dataset, seed=1), 6, engine, make_scoring_pool(reward("length_parity")),
+        KEPT, tokenizer, RatingConfig(chunk_size=2), seed=5, should_stop=should_stop,
+        progress=progress, stage="train", step=3,
+    )  # fmt: skip
+
+
+def tokens_of(chunk) -> list[list[int]]:
+    return [s.token_ids for s in chunk.samples]
+
+
+def test_a_rollout_a_stop_cut_is_kept_whole_and_continued_without_a_token_generated_twice(
+    dataset, engine, tokenizer, tmp_path
+):
+    """A stop inside the second chunk's generation: `RolloutStopped` keeps the first chunk
+    and the second as far as it got; saved and loaded (the checkpoint's file), the resumed
+    rollout takes chunk 0 as it is (no engine call), continues chunk 1's cut responses from
+    their tokens and random states and generates chunk 2: every token and reward equals the
+    undisturbed rollout's."""
+    whole = kept_rollout(dataset, Counting(engine), tokenizer)
+    with pytest.raises(RolloutStopped) as stopped:
+        kept_rollout(dataset, Counting(engine, stop_in_call=2), tokenizer)
+    progress = stopped.value.progress
+    assert (stopped.value.phase, progress.stage, progress.step) == ("rollout/generate", "train", 3)
+    assert [c.finished for c in progress.chunks] == [True, False] and progress.unfinished == 4
+    assert tokens_of(progress.chunks[0]) == tokens_of(whole.progress.chunks[0])
+    save_progress(tmp_path, {0: progress})
+    assert load_progress(tmp_path) == {0: progress}
+
+    resumed_engine = Counting(engine)
+    resumed = kept_rollout(dataset, resumed_engine, tokenizer, load_progress(tmp_path)[0])
+    assert resumed_engine.calls == [(2, True), (2, False)]  # chunk 1 continued, chunk 2 new
+    assert resumed.metrics["rollout/resumed_tokens"] == progress.tokens > 0
+    chunks = resumed.progress.chunks
+    for s, cut in zip(chunks[1].samples, progress.chunks[1].samples, strict=True):
+        assert s.token_ids[: len(cut.token_ids)] == cut.token_ids and len(s.token_ids) == 32
+    assert [tokens_of(c) for c in chunks] == [tokens_of(c) for c in whole.progress.chunks]
+    assert [s.reward for s in resumed.samples] == [s.reward for s in whole.samples]
+    assert len(resumed.samples) == 12
+
+
+def test_a_stop_during_scoring_keeps_every_chunk_generated_and_the_resume_scores_them(
+    dataset, engine, tokenizer
+):
+    """A stop at the third question (two chunks generated, none scored): both are kept
+    whole; the resumed rollout calls the engine for the third chunk only and equals the
+    undisturbed one, scores included."""
+    whole = kept_rollout(dataset, Counting(engine), tokenizer)
+    asked = []
+    with pytest.raises(RolloutStopped) as stopped:
+        kept_rollout(dataset, Counting(engine), tokenizer,
+                     should_stop=lambda: asked.append(1) or len(asked) >= 3)  # fmt: skip
+    progress = stopped.value.progress
+    assert stopped.value.phase == "rollout/score"
+    assert [c.finished for c in progress.chunks] == [True, True]
+    resumed_engine = Counting(engine)
+    resumed = kept_rollout(dataset, resumed_engine, tokenizer, progress)
+    assert resumed_engine.calls == [(2, False)]
+    assert [(s.sample.token_ids, s.reward) for s in resumed.samples] == [
+        (s.sample.token_ids, s.reward) for s in whole.samples
+    ]
+
+
+def test_progress_saved_by_another_run_config_is_refused_by_name(dataset, engine, tokenizer):
+    asked = []
+    with pytest.raises(RolloutStopped) as stopped:
+        kept_rollout(dataset, Counting(engine), tokenizer,
+                     should_stop=lambda: asked.append(1) or len(asked) >= 3)  # fmt: skip
+    progress = stopped.value.progress
+    progress.chunks[1].rows = [r + 1 for r in progress.chunks[1].rows]
+    with pytest.raises(ValueError, match=r"chunk 1 drew prompt rows .* remove rollout_progress/"):
+        kept_rollout(dataset, Counting(engine), tokenizer, progress)

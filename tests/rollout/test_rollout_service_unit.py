@@ -26,22 +26,23 @@ class _Prompts:
 
 
 class _EngineRanks:
-    """`EngineRanks`' answers: (groups, metrics, data position, aborted phase, version)."""
+    """`EngineRanks`' answers: (groups, metrics, data position, aborted phase, version,
+    every replica's progress)."""
 
     def __init__(self, version=0, aborted=None):
         self.version, self.aborted, self.asked, self.pushed = version, aborted, [], []
 
-    def round(self, step, end, data):
-        self.asked.append(("round", step, end, data))
+    def round(self, step, end, data, saved):
+        self.asked.append(("round", step, end, data, saved))
         return self.answer(data)
 
-    def generate(self, stage, step, data):
-        self.asked.append((stage, step, data))
+    def generate(self, stage, step, data, saved):
+        self.asked.append((stage, step, data, saved))
         return self.answer(data)
 
     def answer(self, data):
         drawn = {"epoch": 0, "index": data["index"] + 2}
-        return ["g"], {"m": 1.0}, drawn, self.aborted, self.version
+        return ["g"], {"m": 1.0}, drawn, self.aborted, self.version, {0: "progress"}
 
     def push(self, actor, version, evaluate_step):
         self.pushed.append((version, evaluate_step))
@@ -75,8 +76,15 @@ def test_a_remote_round_moves_the_prompts_to_the_engines_draws_and_says_its_stal
     got = remote(ranks).generate("train", 3, prompts)
     assert (got.groups, got.aborted) == (["g"], None)
     assert got.metrics == {"m": 1.0, "rollout/staleness": 1.0}
-    assert ranks.asked == [("round", 3, 5, {"epoch": 0, "index": 4})]
+    assert ranks.asked == [("round", 3, 5, {"epoch": 0, "index": 4}, {})]
     assert prompts.position == {"epoch": 0, "index": 6}
+    assert got.progress == {0: "progress"}  # kept until the step ends
+
+
+def test_the_progress_a_stop_kept_goes_to_the_engines_with_the_round():
+    ranks = _EngineRanks()
+    remote(ranks).generate("train", 0, _Prompts(), {1: "saved"})
+    assert ranks.asked[0][-1] == {1: "saved"}
 
 
 def test_value_pretraining_asks_for_one_round_with_no_staleness():
@@ -90,6 +98,7 @@ def test_an_aborted_remote_round_leaves_the_prompts_and_names_the_phase():
     got = remote(_EngineRanks(aborted="rollout/generate")).generate("train", 0, prompts)
     assert (got.groups, got.metrics, got.aborted) == ([], {}, "rollout/generate")
     assert prompts.position == {"epoch": 0, "index": 4}
+    assert got.progress == {0: "progress"}  # what the engines generated before the stop
 
 
 def test_a_round_staler_than_the_bound_is_a_bug_said_as_such():

@@ -83,6 +83,7 @@ class Engine(EngineWorker):
         self.generated: list[tuple[int, int]] = []  # (round, version it started with)
         self.segments: dict[int, list[int]] = {}  # round -> the versions it ran under
         self.first_round = None
+        self.saved_seen = {}  # round -> the saved progress it was given
         self.prompts = SimpleNamespace(load_state_dict=lambda state: None)
         self.evaluator = SimpleNamespace(local_sums=lambda step: [torch.tensor([float(step)])])
 
@@ -90,7 +91,8 @@ class Engine(EngineWorker):
         self.first_round = command.step
         return super().rounds(command)
 
-    def generate(self, stage, step):
+    def generate(self, stage, step, saved):
+        self.saved_seen[step] = saved
         head = self.version
         self.generated.append((step, head))
         self.segments[step] = [head]
@@ -107,18 +109,20 @@ class Engine(EngineWorker):
         aborted = "rollout/generate" if step == self.abort_round else None
         groups = [] if aborted else [f"r{step}e{self.replica}"]
         return Rated(self.replica, groups, {"m": 1.0}, {"epoch": 0, "index": step}, aborted,
-                     step, head)  # fmt: skip
+                     step, head, f"p{step}e{self.replica}")  # fmt: skip
 
     def load_weights(self):
         self.version = self.to_engine.recv()
 
 
 def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=None,
-                 stop_after_round=None, evaluate_at=(), partial_rollout=False):  # fmt: skip
+                 stop_after_round=None, evaluate_at=(), partial_rollout=False,
+                 saved=None):  # fmt: skip
     """The trainers' loop of `RLTrainer` (round, then a push after the update, evaluating
-    where due) from step `start` to `end`; a stop request aborts the step whose round comes
-    back aborted, or (`stop_after_round`) the step whose round was just taken. Returns the
-    steps' (staleness, groups), the eval sums and the engines."""
+    where due) from step `start` to `end`, resumed with `saved` progress; a stop request
+    aborts the step whose round comes back aborted, or (`stop_after_round`) the step whose
+    round was just taken. Returns the steps' (staleness, groups), the eval sums and the
+    engines; each step's progress kept on rank 0 in `engines[0].kept`."""
     store = Store()
     engines = [Engine(e, replicas, abort_round, store, partial_rollout) for e in range(replicas)]
     current = threading.local()  # which engine a thread is
@@ -172,10 +176,11 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     threads = [threading.Thread(target=serve, args=(e,), daemon=True) for e in engines]
     for t in threads:
         t.start()
-    steps, evals = [], {}
+    steps, evals, kept = [], {}, {}
     actor = SimpleNamespace(chunks=None, arch=None)
     for step in range(start, end):
-        groups, _, _, aborted, version = ranks.round(step, end, {"epoch": 0, "index": step})
+        data = {"epoch": 0, "index": step}
+        groups, _, _, aborted, version, kept[step] = ranks.round(step, end, data, saved or {})
         steps.append((step - version, groups))
         if partial_rollout and step + 1 < end:  # the next command comes inside the next round
             deadline = time.monotonic() + TIMEOUT_S
@@ -195,6 +200,7 @@ def run_protocol(monkeypatch, replicas, max_staleness, start, end, abort_round=N
     assert not any(t.is_alive() for t in threads), "an engine never saw Shutdown"
     # every command was one ring and one Ready from each replica
     assert all(e.commands_read == store.counts[DOORBELL_KEY] for e in engines)
+    engines[0].kept = kept
     return steps, evals, engines
 
 
@@ -246,6 +252,15 @@ def test_an_aborted_round_ends_the_steps_and_every_engine_leaves(
     assert len(steps) == abort_round + 1 and steps[-1][1] == []
     for engine in engines:
         assert engine.generated[-1][0] == abort_round
+    # what each replica generated of the aborted round reaches trainer rank 0
+    assert engines[0].kept[abort_round] == {0: f"p{abort_round}e0", 1: f"p{abort_round}e1"}
+
+
+def test_the_progress_a_stop_kept_goes_with_the_first_round_to_every_replica(monkeypatch):
+    saved = {0: "kept by replica 0", 1: "kept by replica 1"}
+    _, _, engines = run_protocol(monkeypatch, 2, 1, 3, 6, saved=saved)
+    for engine in engines:
+        assert engine.saved_seen[3] == saved  # each replica takes its own (`progress_for`)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

@@ -5,7 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_rl.preemption import StepAborted
-from megatron_rl.rollout.types import ABORT_CHECK_STEPS, SamplingConfig
+from megatron_rl.rollout.types import (
+    ABORT_CHECK_STEPS,
+    UNFINISHED,
+    GenerationStopped,
+    SamplingConfig,
+)
 from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm
@@ -124,6 +129,46 @@ def test_a_stop_aborts_generation_within_a_few_engine_steps_and_leaves_it_reusab
     assert [(s.prompt_index, s.sample_index) for s in checked] == [
         (s.prompt_index, s.sample_index) for s in plain
     ]
+
+
+def test_a_stopped_call_keeps_every_response_so_far_and_a_later_call_continues_them(
+    engine, prompts
+):
+    """A stop at the third check: `GenerationStopped` holds every response as far as it
+    got (UNFINISHED, the tokens and log-probs the undisturbed call sampled first, and each
+    request's random state); given back as `partial`, finished responses come back as they
+    are and the cut ones are continued from their tokens to the full budget, drawing what
+    the undisturbed call drew. Not one kept token is sampled again."""
+    sampling = SamplingConfig(n=2, max_new_tokens=40, ignore_eos=True)
+    seeds = [21, 22, 23]
+    plain = engine.generate(prompts, sampling, seeds)
+    asked = []
+    with pytest.raises(GenerationStopped, match="rollout/generate") as stopped:
+        engine.generate(
+            prompts, sampling, seeds, should_stop=lambda: asked.append(1) or len(asked) == 3
+        )
+    cut = stopped.value.samples
+    assert [(s.prompt_index, s.sample_index) for s in cut] == [
+        (s.prompt_index, s.sample_index) for s in plain
+    ]
+    for s, p in zip(cut, plain, strict=True):
+        assert s.finish_reason == UNFINISHED and 0 < len(s.token_ids) < 40
+        assert s.token_ids == p.token_ids[: len(s.token_ids)]  # the same seeded stream so far
+        assert_close(s.logprobs, p.logprobs[: len(s.logprobs)], LOGPROB)
+    # the first response finished (as the undisturbed call made it), the others cut
+    partial = [plain[0], *cut[1:]]
+    resumed = engine.generate(prompts, sampling, seeds, partial=partial)
+    assert resumed[0] == plain[0]
+    for s, before in zip(resumed[1:], cut[1:], strict=True):
+        assert s.token_ids[: len(before.token_ids)] == before.token_ids  # kept, not resampled
+        assert s.logprobs[: len(before.logprobs)] == before.logprobs
+        assert len(s.token_ids) == 40 and s.finish_reason == "length"
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    # with each request's random state back, the continuation is the undisturbed one
+    assert engine.exact_continuation and all(s.sampler_state for s in cut)
+    assert [s.token_ids for s in resumed] == [s.token_ids for s in plain]
+    for s, p in zip(resumed, plain, strict=True):
+        assert_close(s.logprobs, p.logprobs, LOGPROB)  # a re-prefill, not the decode step
 
 
 def test_seeded_prompts_beyond_one_steps_token_budget_are_generated_whole(engine):

@@ -106,13 +106,13 @@ def install(stop_at: str, at_point: Callable[[int], None]) -> None:
 
     engine_generate = EngineWorker.generate
 
-    def engine_generate_arming(self, rollout_stage, rollout_step):
+    def engine_generate_arming(self, rollout_stage, rollout_step, saved):
         # an engine rank of a disaggregated placement: the generation is its own
         rank["r"] = self.rank
         here = (rollout_stage, rollout_step + 1) == (stage, int(step))
         armed["on"] = phase == "rollout/generate" and here
         try:
-            return engine_generate(self, rollout_stage, rollout_step)
+            return engine_generate(self, rollout_stage, rollout_step, saved)
         finally:
             armed["on"] = False
 

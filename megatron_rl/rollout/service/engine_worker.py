@@ -21,13 +21,14 @@ from megatron_rl.data import PromptStream, load_prompts
 from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.placement import Placement
-from megatron_rl.preemption import STOP, StepAborted
+from megatron_rl.preemption import STOP
 from megatron_rl.rewards.pool import (
     make_scoring_pool,
     result_or_abort,
     shared_or_raise,
     submit_or_abort,
 )
+from megatron_rl.rollout.progress import RolloutStopped, progress_for
 from megatron_rl.rollout.rating import chunk_seeds
 from megatron_rl.rollout.service.protocol import (
     DOORBELL_KEY,
@@ -130,7 +131,7 @@ class EngineWorker:
             self.weights_or_evaluate(command)
         elif isinstance(command, Generate):
             self.prompts.load_state_dict(command.data)
-            self.answer(self.generate(command.stage, command.step))
+            self.answer(self.generate(command.stage, command.step, command.saved))
         elif isinstance(command, Rounds):
             return self.rounds(command)
         else:
@@ -171,7 +172,7 @@ class EngineWorker:
                     if not self.obey():
                         return False
                 self.step = step
-                answer = self.generate("train", step)
+                answer = self.generate("train", step, command.saved)
                 self.answer(answer)
                 if answer.aborted:
                     break
@@ -246,10 +247,11 @@ class EngineWorker:
         self.engine.update_weights(checked(pairs, self.expected, self.engine.dtype))
         self.version = version
 
-    def generate(self, stage: str, step: int) -> Rated:
-        """This replica's share of `stage` step `step`, drawn from where the prompts are; a
-        stop request (this rank's own, or one published in the job's store) aborts it,
-        answered with no groups."""
+    def generate(self, stage: str, step: int, saved: dict) -> Rated:
+        """This replica's share of `stage` step `step`, drawn from where the prompts are,
+        taking what `saved` holds of it (a stop's checkpoint); a stop request (this rank's
+        own, or one published in the job's store) aborts it, answered with no groups and
+        what it generated."""
 
         def stop() -> bool:  # inside one engine call: the engine agrees over its TP group
             return STOP.requested
@@ -259,18 +261,20 @@ class EngineWorker:
         start, head = self.prompts.state_dict(), self.admitted.pop(step, self.version)
         shard = DataParallelShard(self.prompts, self.replica, self.replicas)
         refresh = self if self.partial_rollout and stage == "train" else None
+        progress = progress_for(saved, stage, step, self.replica, self.replicas)
         try:
             rollout = generate_round(
                 self.config, stage, step, shard, self.engine, self.pool, self.tokenizer,
                 should_stop=self.stop_requested, stop_generation=stop, refresh=refresh,
+                progress=progress,
             )  # fmt: skip
-        except StepAborted as e:
-            return Rated(self.replica, [], {}, start, e.phase, step, head)
+        except RolloutStopped as e:
+            return Rated(self.replica, [], {}, start, e.phase, step, head, e.progress)
         if refresh is not None and self.interleave:
             rollout.metrics["rollout/interleaved"] = float(interleaved)
         return Rated(
             self.replica, rollout.groups, rollout.metrics, self.prompts.state_dict(), None,
-            step, head,
+            step, head, rollout.progress,
         )  # fmt: skip
 
     def close(self) -> None:

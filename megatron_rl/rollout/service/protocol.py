@@ -45,12 +45,13 @@ generated ahead is regenerated on resume.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_rl.parallel.collectives import combine_metrics
 from megatron_rl.parallel.placement import Placement
+from megatron_rl.rollout.progress import RolloutProgress
 from megatron_rl.sync.weight_push import (
     bridge_group,
     broadcast_object,
@@ -62,11 +63,13 @@ from megatron_rl.sync.weight_sync import WeightSyncConfig, all_stage_tensors
 
 @dataclass(frozen=True)
 class Generate:
-    """Rate your share of `stage` step `step`'s prompts, drawn from position `data`."""
+    """Rate your share of `stage` step `step`'s prompts, drawn from position `data`;
+    `saved`: the step's progress a stop's checkpoint kept, by replica."""
 
     stage: str
     step: int
     data: dict
+    saved: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,8 @@ class Rounds:
     end: int
     data: dict
     max_staleness: int
+    saved: dict = field(default_factory=dict)
+    """Step `step`'s progress a stop's checkpoint kept, by replica."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,9 @@ class Rated:
     version: int = 0
     """The policy version that generated it (with partial rollouts: the one its responses
     started under; later tokens may come from newer ones, `Sample.segments`)."""
+    progress: RolloutProgress | None = None
+    """Everything it generated, aborted or not (trainer rank 0 keeps it with the checkpoint
+    when a stop ends the step); shares the groups' samples, so it adds nothing on the wire."""
 
 
 def cross_role_groups(placement: Placement, store, rank: int):
@@ -205,34 +213,39 @@ class EngineRanks:
     def _share(self, results: list[Rated] | None):
         """Rank 0's answers dealt: (this rank's DP share of the groups, rollout metrics,
         the data position after the draws, the aborting phase or None, the version that
-        generated them)."""
+        generated them, every replica's progress on rank 0 and {} elsewhere)."""
         answers = None
         if self.is_source:
             shares, metrics, position, aborted = deal(results, self.ctx.dp_size)
             version = min(r.version for r in results)
-            answers = [(shares[d], metrics, position, aborted, version) for d in self.dp_ranks]
+            # the progress stays on rank 0, which writes it with a stop's checkpoint
+            kept = {r.replica: r.progress for r in results if r.progress is not None}
+            answers = [
+                (shares[d], metrics, position, aborted, version, kept if rank == 0 else {})
+                for rank, d in enumerate(self.dp_ranks)
+            ]
         mine = [None]
         torch.distributed.scatter_object_list(mine, answers, src=0)
         return mine[0]
 
-    def generate(self, stage: str, step: int, data: dict):
+    def generate(self, stage: str, step: int, data: dict, saved: dict):
         """`stage` step `step`'s rollout from data position `data`, generated now with the
         weights the engines hold (synchronous: value pretraining, whose policy is frozen);
         returns as `_share`."""
         results = None
         if self.is_source:
-            self._command(Generate(stage, step, data))
+            self._command(Generate(stage, step, data, saved))
             results = [self._recv(e) for e in range(self.replicas)]
         return self._share(results)
 
-    def round(self, step: int, end: int, data: dict):
+    def round(self, step: int, end: int, data: dict, saved: dict):
         """PPO step `step`'s rollout (returned as `_share`): the engines generate steps
         `step`..`end - 1` ahead as far as `max_staleness` allows, from data position `data`
-        (used when this is the first round asked for)."""
+        and with `saved` progress (used when this is the first round asked for)."""
         results = None
         if self.is_source:
             if not self.rounds_started:
-                self._command(Rounds(step, end, data, self.max_staleness))
+                self._command(Rounds(step, end, data, self.max_staleness, saved))
                 self.rounds_started = True
             for e in range(self.replicas):
                 while e not in {r.replica for r in self.pending.get(step, [])}:

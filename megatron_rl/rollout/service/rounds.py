@@ -19,6 +19,7 @@ from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.agent import AgentEngine, AgentSpec, EnvSteps, SharedEnvSteps
 from megatron_rl.rollout.evaluation import EVAL_STAGE, Evaluator
 from megatron_rl.rollout.hf_engine import HFEngine
+from megatron_rl.rollout.progress import RolloutProgress
 from megatron_rl.rollout.rating import RatedRollout, generate_samples_with_rating
 from megatron_rl.rollout.tool_formats import call_end_id, tool_format
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig, WeightRefresh, request_seed
@@ -164,10 +165,12 @@ def generate_round(
     should_stop: Callable[[], bool],
     stop_generation: Callable[[], bool] | None,
     refresh: WeightRefresh | None = None,
+    progress: RolloutProgress | None = None,
 ) -> RatedRollout:
     """The rated groups of `prompts.dp_rank`'s share (rollout_batch_size / dp_size prompts)
-    of `stage` step `step`; `StepAborted` when `should_stop` says so (see
-    `generate_samples_with_rating`); `refresh`: partial rollouts (`VLLMEngine.generate`)."""
+    of `stage` step `step`; `RolloutStopped` when `should_stop` says so (see
+    `generate_samples_with_rating`); `refresh`: partial rollouts (`VLLMEngine.generate`);
+    `progress`: what a stopped run of this rollout generated (`rollout/progress.py`)."""
     return generate_samples_with_rating(
         prompts,
         config.rollout.rollout_batch_size // prompts.dp_size,
@@ -180,4 +183,8 @@ def generate_round(
         should_stop=should_stop,
         stop_generation=stop_generation if engine.aborts_generation else None,
         refresh=refresh,
+        progress=progress,
+        stage=stage,
+        step=step,
+        replicas=prompts.dp_size,
     )

@@ -14,14 +14,15 @@ the same groups either way (`rounds.generate_round` runs on whichever ranks gene
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from megatron_rl.config import TrainConfig
 from megatron_rl.data import PromptStream
-from megatron_rl.parallel.collectives import any_model_parallel_rank
-from megatron_rl.preemption import STOP, StepAborted
+from megatron_rl.parallel.collectives import any_model_parallel_rank, is_model_parallel_source
+from megatron_rl.preemption import STOP
 from megatron_rl.rollout.evaluation import Evaluator
+from megatron_rl.rollout.progress import RolloutProgress, RolloutStopped, progress_for
 from megatron_rl.rollout.service.protocol import EngineRanks
 from megatron_rl.rollout.service.rounds import DataParallelShard, generate_round
 from megatron_rl.rollout.shm import ShmRecord
@@ -40,6 +41,10 @@ class Rollout:
     aborted: str | None = None
     """The phase a stop request aborted it in (then no groups); the trainer aborts the step
     on every rank (`RLTrainer.abort_point`)."""
+    progress: dict[int, RolloutProgress] = field(default_factory=dict)
+    """What this rank keeps with the checkpoint when a stop ends the step (`rollout/
+    progress.py`), by rollout replica: everything generated for the step, as far as the
+    rollout got. Empty on the ranks that keep none."""
 
 
 class RolloutService(Protocol):
@@ -58,9 +63,17 @@ class RolloutService(Protocol):
         """What the memory timeline records as the engine's state ("weights+kv_cache",
         "asleep", "apart")."""
 
-    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
+    def generate(
+        self,
+        stage: str,
+        step: int,
+        prompts: PromptStream,
+        saved: dict[int, RolloutProgress] | None = None,
+    ) -> Rollout:
         """This DP rank's share of `stage` step `step`'s rollout, drawn from `prompts` (left
-        where the draws ended; as it was when the rollout was aborted)."""
+        where the draws ended; as it was when the rollout was aborted). `saved`: the
+        progress a stop's checkpoint kept (every replica's, as `Rollout.progress` gave
+        them): what of it belongs to this step is not generated again."""
 
     def push_weights(self, actor, version: int, evaluate: bool = False, changed: bool = True):
         """The actor's weights, policy `version` (PPO steps so far), to the engines.
@@ -121,17 +134,23 @@ class LocalRollout:
         rollout in lockstep, so they stop together): asked between the rollout's chunks."""
         return any_model_parallel_rank(STOP.requested)
 
-    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
+    def generate(self, stage, step, prompts, saved=None) -> Rollout:
+        progress = progress_for(saved or {}, stage, step, self.dp_rank, self.dp_size)
         try:
             rollout = generate_round(
                 self.config, stage, step, DataParallelShard(prompts, self.dp_rank, self.dp_size),
                 self.engine, self.pool, self.tokenizer,
                 should_stop=self.stop_requested_in_replica,
                 stop_generation=lambda: STOP.requested,
+                progress=progress,
             )  # fmt: skip
-        except StepAborted as e:  # this replica; the others see the request at their check
-            return Rollout([], {}, e.phase)
-        return Rollout(rollout.groups, dict(rollout.metrics))
+        except RolloutStopped as e:  # this replica; the others see the request at their check
+            return Rollout([], {}, e.phase, self.kept(e.progress))
+        return Rollout(rollout.groups, dict(rollout.metrics), None, self.kept(rollout.progress))
+
+    def kept(self, progress: RolloutProgress) -> dict[int, RolloutProgress]:
+        """The replica's progress, on its first rank (the one that writes it)."""
+        return {self.dp_rank: progress} if is_model_parallel_source() else {}
 
     def push_weights(self, actor, version: int, evaluate: bool = False, changed: bool = True):
         if changed:  # in place: the engine counts no versions, and evaluates when asked
@@ -172,19 +191,19 @@ class RemoteRollout:
     def memory_state(self) -> str:
         return "apart"
 
-    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
-        data = prompts.state_dict()
+    def generate(self, stage, step, prompts, saved=None) -> Rollout:
+        data, saved = prompts.state_dict(), saved or {}
         if stage == "train":  # generated ahead as async.max_staleness allows
-            answer = self.ranks.round(step, self.config.trainer.total_steps, data)
+            answer = self.ranks.round(step, self.config.trainer.total_steps, data, saved)
         else:  # value pretraining: its policy is frozen, nothing to run ahead of
-            answer = self.ranks.generate(stage, step, data)
-        groups, metrics, data, aborted, version = answer
+            answer = self.ranks.generate(stage, step, data, saved)
+        groups, metrics, data, aborted, version, progress = answer
         if aborted is not None:
-            return Rollout([], {}, aborted)
+            return Rollout([], {}, aborted, progress)
         prompts.load_state_dict(data)  # the draws the engines made
         if stage == "train":
             metrics = {**metrics, "rollout/staleness": self.staleness(step, version)}
-        return Rollout(groups, metrics)
+        return Rollout(groups, metrics, None, progress)
 
     def staleness(self, step: int, version: int) -> float:
         """How many updates older than the policy PPO step `step` trains (version `step`)
