@@ -65,6 +65,9 @@ class RolloutProgress:
     """How many replicas shared the step's prompts (each saved its own share)."""
     sampling: SamplingConfig
     chunks: list[GeneratedChunk]
+    version: int = 0
+    """The policy version its first tokens came from (engines apart count versions: a
+    resumed round reports it, so its staleness is the one it had)."""
 
     @property
     def tokens(self) -> int:
@@ -114,6 +117,7 @@ def save_progress(checkpoint: str | Path, progress: dict[int, RolloutProgress]) 
             "stage": p.stage,
             "step": p.step,
             "replicas": p.replicas,
+            "version": p.version,
             "sampling": asdict(p.sampling),
             "chunks": [
                 {"rows": c.rows, "samples": [asdict(s) for s in c.samples]} for c in p.chunks
@@ -123,16 +127,22 @@ def save_progress(checkpoint: str | Path, progress: dict[int, RolloutProgress]) 
         os.replace(tmp, final)
 
 
-def load_progress(checkpoint: str | Path) -> dict[int, RolloutProgress]:
-    """Every replica's progress saved in `checkpoint` (empty when none was)."""
+def load_progress(
+    checkpoint: str | Path, replicas: list[int] | None = None
+) -> dict[int, RolloutProgress]:
+    """The progress of `replicas` (None: every replica) saved in `checkpoint`, by replica
+    (none where none was saved)."""
     found = {}
     for path in sorted((Path(checkpoint) / PROGRESS_DIR).glob("replica_*.pt")):
+        replica = int(path.stem.removeprefix("replica_"))
+        if replicas is not None and replica not in replicas:
+            continue
         record = torch.load(path, weights_only=False)
         if record.get("format") != FORMAT:
             raise ValueError(f"{path}: rollout progress format {record.get('format')}, "
                              f"this version reads {FORMAT}")  # fmt: skip
         sampling = record["sampling"]
-        found[int(path.stem.removeprefix("replica_"))] = RolloutProgress(
+        found[replica] = RolloutProgress(
             stage=record["stage"],
             step=record["step"],
             replicas=record["replicas"],
@@ -143,6 +153,7 @@ def load_progress(checkpoint: str | Path) -> dict[int, RolloutProgress]:
                 GeneratedChunk(c["rows"], [_sample(s) for s in c["samples"]])
                 for c in record["chunks"]
             ],
+            version=record["version"],
         )
     return found
 

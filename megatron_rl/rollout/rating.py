@@ -145,6 +145,7 @@ def generate_samples_with_rating(
     stage: str = "train",
     step: int = 0,
     replicas: int = 1,
+    version: int = 0,
 ) -> RatedRollout:
     """Generate `sampling.n` responses for each of `rollout_size` prompts drawn from `prompts`,
     score them with `reward_fns` (a scoring pool: `megatron_rl.rewards.pool`) and keep the
@@ -166,7 +167,7 @@ def generate_samples_with_rating(
     `refresh` goes to each engine call too (partial rollouts: `VLLMEngine.generate`).
 
     A stop raises `RolloutStopped` with what the rollout generated: `stage` step `step`,
-    this share of `replicas`. `progress`: what an earlier run of this rollout generated
+    this share of `replicas`, started under policy `version`. `progress`: what an earlier run of this rollout generated
     before a stop (`rollout/progress.py`): its chunks are taken in place of engine calls,
     a cut one continued, so no token is generated twice.
     """
@@ -190,7 +191,8 @@ def generate_samples_with_rating(
     resumed_tokens = 0
 
     def so_far(*cut: GeneratedChunk) -> RolloutProgress:
-        return RolloutProgress(stage, step, replicas, sampling, [*generated_chunks, *cut])
+        chunks = [*generated_chunks, *cut]
+        return RolloutProgress(stage, step, replicas, sampling, chunks, version)
 
     def check(phase: str) -> None:
         if should_stop is not None and should_stop():

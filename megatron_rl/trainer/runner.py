@@ -35,7 +35,6 @@ from megatron_rl.rollout.service import (
     STAGES,
     RolloutProgress,
     RolloutService,
-    load_progress,
     save_progress,
 )
 from megatron_rl.rollout.types import ENGINE_MEMORY, request_seed
@@ -122,8 +121,6 @@ class RLTrainer:
         """What this rank keeps of the step's rollout if a stop ends the step (by replica:
         `Rollout.progress`), saved with the step's start so the resume generates no token
         twice; empty between steps."""
-        self.resumed_rollout: dict[int, RolloutProgress] = {}
-        """The rollout progress the checkpoint resumed from kept, until its step takes it."""
 
     # ------------------------------------------------------------------ stop requests
 
@@ -284,8 +281,8 @@ class RLTrainer:
         """This DP rank's rated groups for one step, trimmed to the same count on every DP
         rank (dynamic filtering can come back short), and the rollout metrics; a stop
         request that aborted the rollout on some rank aborts the step on all."""
-        rollout = self.rollout.generate(stage, step, self.prompts, self.resumed_rollout)
-        self.step_rollout, self.resumed_rollout = rollout.progress, {}
+        rollout = self.rollout.generate(stage, step, self.prompts)
+        self.step_rollout = rollout.progress
         self.abort_point(rollout.aborted or "rollout", rollout.aborted is not None)
         groups, metrics = rollout.groups, rollout.metrics
         groups = groups[: data_parallel_min(len(groups))]
@@ -530,10 +527,11 @@ class RLTrainer:
 
     def keep_rollout(self, checkpoint: Path) -> None:
         """Write what this rank keeps of an aborted step's rollout into `checkpoint`."""
-        if not self.step_rollout:
+        kept = {r: p for r, p in self.step_rollout.items() if p.chunks}
+        if not kept:
             return
-        save_progress(checkpoint, self.step_rollout)
-        for replica, p in sorted(self.step_rollout.items()):
+        save_progress(checkpoint, kept)
+        for replica, p in sorted(kept.items()):
             print(
                 f"kept {p.tokens} generated tokens of {p.stage} step {p.step + 1}'s rollout "
                 f"(replica {replica}: {len(p.chunks)} chunk(s), {p.unfinished} response(s) "
@@ -597,7 +595,7 @@ class RLTrainer:
         self.value_pretrain_step = trainer_state["value_pretrain_step"]
         self.nonfinite_in_a_row = trainer_state["nonfinite_in_a_row"]
         self.saved_progress = self.value_pretrain_step + self.step
-        self.resumed_rollout = load_progress(path)
+        self.rollout.resume_progress(path)
         self.send_weights()  # the engines started from the HF weights
         position = (1, self.step) if self.value_pretrain_done else (0, self.value_pretrain_step)
         dropped = self.logger.rewind(position)

@@ -11,7 +11,9 @@ import pytest
 
 from megatron_rl.config import TrainConfig
 from megatron_rl.config.loader import from_dict
+from megatron_rl.rollout.progress import GeneratedChunk, RolloutProgress, save_progress
 from megatron_rl.rollout.service.service import LocalRollout, RemoteRollout
+from megatron_rl.rollout.types import UNFINISHED, Sample, SamplingConfig
 
 
 class _Prompts:
@@ -28,6 +30,8 @@ class _Prompts:
 class _EngineRanks:
     """`EngineRanks`' answers: (groups, metrics, data position, aborted phase, version,
     every replica's progress)."""
+
+    is_source = True  # trainer rank 0
 
     def __init__(self, version=0, aborted=None):
         self.version, self.aborted, self.asked, self.pushed = version, aborted, [], []
@@ -81,10 +85,18 @@ def test_a_remote_round_moves_the_prompts_to_the_engines_draws_and_says_its_stal
     assert got.progress == {0: "progress"}  # kept until the step ends
 
 
-def test_the_progress_a_stop_kept_goes_to_the_engines_with_the_round():
+def test_the_progress_a_stop_kept_goes_to_the_engines_with_the_first_round_only(tmp_path):
+    kept = RolloutProgress(
+        "train", 0, 2, SamplingConfig(n=1),
+        [GeneratedChunk([4], [Sample(0, 0, [1, 2], [3], [-0.5], UNFINISHED)])],
+    )  # fmt: skip
+    save_progress(tmp_path, {1: kept})
     ranks = _EngineRanks()
-    remote(ranks).generate("train", 0, _Prompts(), {1: "saved"})
-    assert ranks.asked[0][-1] == {1: "saved"}
+    rollout = remote(ranks)
+    rollout.resume_progress(tmp_path)
+    rollout.generate("train", 0, _Prompts())
+    rollout.generate("train", 1, _Prompts())
+    assert [asked[-1] for asked in ranks.asked] == [{1: kept}, {}]
 
 
 def test_value_pretraining_asks_for_one_round_with_no_staleness():

@@ -246,8 +246,9 @@ def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
 ):
     """A stop request inside a step: the signal lands inside vLLM's generation of PPO step 3 (held there until the
     signal comes: tests/slurm/hold_generation), through the batch script's trap and stop
-    file as in production: the workers abort the generation, save step 2 (the step's start),
-    the job requeues and the next start redoes step 3; every step's metrics and the data
+    file as in production: the workers abort the generation, save step 2 (the step's start)
+    with what step 3's rollout had generated, the job requeues and the next start redoes step
+    3, continuing that rollout (no token generated twice); every step's metrics and the data
     position equal the uninterrupted run's."""
     out = tmp_path / "run"
     marker = tmp_path / "held"
@@ -266,6 +267,9 @@ def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
     boundary = f"step_{PRETRAIN_STEPS + 2:06d}"
     assert f"requeueing job {job_id} (checkpoint {boundary})" in log
     assert re.search(rf"resumed from \S+/{boundary} \(step 2\)", log)
+    kept = re.findall(rf"kept (\d+) generated tokens of train step 3's rollout .* {boundary}", log)
+    assert len(kept) == 1 and int(kept[0]) > 0, log[-5000:]
+    assert train_rows(out)[2]["rollout/resumed_tokens"] == int(kept[0])
     same_steps_as(out, uninterrupted[1])
 
 
@@ -275,9 +279,10 @@ def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
     """Through the shipped script: the disaggregated placement over the two nodes (n1's
     rank trains, n2's only generates: the last `engine_ranks` ranks), one step off. USR1
     after two PPO steps, while the engine runs ahead: every rank saves or exits, the job
-    requeues, and the next start resumes, its first round regenerated with the checkpoint's
-    weights (staleness 0; the round in flight at the stop is not saved), the others one
-    version behind; each step logged once."""
+    requeues, and the next start resumes. Its first round is the one the stop's checkpoint
+    kept where the stop came after the trainer took it (one version behind, as it was), else
+    generated with the checkpoint's weights (staleness 0: a round ahead is not kept); the
+    others one version behind; each step logged once."""
     out = tmp_path / "run"
     job_id = cluster.submit(
         out, *model_args(tiny_model_dir), "rollout.placement=disaggregated",
@@ -294,8 +299,10 @@ def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
     rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, TOTAL_STEPS + 1))
     staleness = [r["rollout/staleness"] for r in rows]
-    want = [0.0, *[1.0] * (stopped_at - 1), 0.0, *[1.0] * (TOTAL_STEPS - stopped_at - 1)]
-    assert staleness == want, (staleness, stopped_at)
+    kept = f"generated tokens of train step {stopped_at + 1}'s rollout" in log
+    first = 1.0 if kept else 0.0
+    want = [0.0, *[1.0] * (stopped_at - 1), first, *[1.0] * (TOTAL_STEPS - stopped_at - 1)]
+    assert staleness == want, (staleness, stopped_at, kept)
 
 
 def test_a_signal_before_the_workers_start_is_honoured_and_a_start_without_progress_ends(

@@ -21,6 +21,7 @@ their trainer.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,23 @@ def ppo_overrides(model_dir, eval_path) -> list[str]:
 
 
 def measured(record: dict) -> dict:
-    """A metrics row without what a repeat cannot reproduce (times, memory) and what only a
-    disaggregated run logs (`rollout/staleness`: `staleness` reads it)."""
+    """A metrics row without what a repeat cannot reproduce (times, memory), what only a
+    disaggregated run logs (`rollout/staleness`: `staleness` reads it) and what only a
+    resumed step logs (`rollout/resumed_tokens`: `kept_and_resumed` reads it)."""
     return {
         k: v
         for k, v in record.items()
         if not k.startswith(("timing/", "memory/"))
-        and k not in ("perf/tokens_per_s", "rollout/staleness")
+        and k not in ("perf/tokens_per_s", "rollout/staleness", "rollout/resumed_tokens")
     }
+
+
+def kept_and_resumed(first: str, run, step: int) -> tuple[list[int], float | None]:
+    """The tokens of PPO step `step`'s rollout the stop's checkpoint kept (each replica's,
+    from the first run's log) and the tokens the resumed step took from it."""
+    kept = re.findall(rf"kept (\d+) generated tokens of train step {step}'s", first)
+    redone = [r for r in metrics(run) if r.get("stage", "train") == "train"][step - 1]
+    return [int(n) for n in kept], redone.get("rollout/resumed_tokens")
 
 
 def staleness(out) -> list[float]:
@@ -163,6 +173,10 @@ def test_a_stop_request_on_either_role_saves_the_steps_start_and_the_resume_redo
     assert rows(run) == rows(apart)
     for role in ("actor", "critic"):
         assert same_weights(checkpoint(run, 4)[role], checkpoint(apart, 4)[role])
+    # the engine's tokens of step 2 went to the trainer, into the checkpoint, and back to
+    # the engine, which generated none of them again
+    kept, took = kept_and_resumed(first, run, 2)
+    assert len(kept) == 1 and kept[0] > 0 and took == kept[0], first[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -190,10 +204,10 @@ def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
     one_step_off, tiny_model_dir, eval_prompts, tmp_path
 ):
     """At max_staleness 1 a stop between step 2's mini-batches lands while the engine
-    generates step 3's rollout: the trainer rewinds and saves step 1, the engine's round in
-    flight is dropped (aborted or received and discarded), every rank exits 0. The resume
-    regenerates step 2's rollout with the weights of step 1 (staleness 0: the uninterrupted
-    run's were one update older, so the runs part there) and finishes."""
+    generates step 3's rollout: the trainer rewinds and saves step 1 with step 2's rollout
+    (made by the weights before step 1), the engine's round in flight is dropped (aborted or
+    received and discarded: a round ahead is generated again), every rank exits 0. The
+    resume trains step 2 on the kept rollout, one version behind as it was, and finishes."""
     run = tmp_path / "run"
     overrides = [
         *ppo_overrides(tiny_model_dir, eval_prompts),
@@ -214,9 +228,11 @@ def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
     stop.unlink()
     resumed = train("ppo", run, *overrides).output
     assert f"resumed from {root / 'step_000002'} (step 1)" in resumed
-    assert staleness(run) == [0, 0, 1]
+    assert staleness(run) == [0, 1, 1]
+    kept, took = kept_and_resumed(first, run, 2)
+    assert len(kept) == 1 and kept[0] > 0 and took == kept[0], first[-4000:]
     got, want = rows(run), rows(one_step_off)
-    assert got[:3] == want[:3] and len(got) == len(want)
+    assert got[:4] == want[:4] and len(got) == len(want)  # step 2 trains as it did
 
 
 def test_partial_rollouts_take_pushes_inside_rounds_stop_and_resume(

@@ -5,6 +5,7 @@ tests/trainer/test_journey_distributed.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -189,11 +190,13 @@ def as_value_pretraining_ended(run, copy):
 
 
 def measured(record: dict) -> dict:
-    """A metrics row without what a repeat cannot reproduce (times, memory)."""
+    """A metrics row without what a repeat cannot reproduce (times, memory) and what only a
+    resumed step logs (`rollout/resumed_tokens`: the tokens a stop's checkpoint kept)."""
     return {
         k: v
         for k, v in record.items()
-        if not k.startswith(("timing/", "memory/")) and k != "perf/tokens_per_s"
+        if not k.startswith(("timing/", "memory/"))
+        and k not in ("perf/tokens_per_s", "rollout/resumed_tokens")
     }
 
 
@@ -453,6 +456,11 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         sep="\n",
     )
     assert f"train step {step} aborted in {aborted_in}" in first, first[-4000:]
+    # what the step had generated is kept with the checkpoint (none before its first chunk)
+    kept = [
+        int(n) for n in re.findall(rf"kept (\d+) generated tokens of train step {step}'s", first)
+    ]
+    assert len(kept) == (0 if stop_at.endswith(":save") else 1), first[-4000:]
     if signal_rank is not None:  # rank 0 learnt of it from the store, with its time
         assert f"stop (SIGUSR1 on rank {signal_rank}): train step {step}" in first
     rewound = "rewinding the step's 1 optimizer update(s)" in first
@@ -471,6 +479,9 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     assert f"resumed from {boundary} (step {step - 1})" in resumed
     expected = [measured(r) for r in metrics(vapo_run)]
     assert [measured(r) for r in metrics(run)] == expected
+    # no token generated twice: the resumed step took every token kept
+    redone = metrics(run)[step - 1]
+    assert redone.get("rollout/resumed_tokens") == (kept[0] if kept else None)
     assert (
         state["data"]
         == json.loads(

@@ -4,7 +4,7 @@ placement makes it (`rounds.py`), and the disaggregated placement's engine ranks
 (`engine_worker.py`) with the wire protocol between them and the trainers (`protocol.py`).
 The trainer imports this package's names only, never its modules."""
 
-from megatron_rl.rollout.progress import RolloutProgress, load_progress, save_progress
+from megatron_rl.rollout.progress import RolloutProgress, save_progress
 from megatron_rl.rollout.service.builder import (
     EnginesApart,
     RolloutBuilder,
@@ -22,7 +22,6 @@ __all__ = [
     "RolloutProgress",
     "RolloutService",
     "join_placement",
-    "load_progress",
     "prompt_tools",
     "save_progress",
     "serve_engine_rank",

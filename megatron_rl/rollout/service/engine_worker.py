@@ -262,11 +262,13 @@ class EngineWorker:
         shard = DataParallelShard(self.prompts, self.replica, self.replicas)
         refresh = self if self.partial_rollout and stage == "train" else None
         progress = progress_for(saved, stage, step, self.replica, self.replicas)
+        if progress is not None:  # it started under the version that made its first tokens
+            head = progress.version
         try:
             rollout = generate_round(
                 self.config, stage, step, shard, self.engine, self.pool, self.tokenizer,
                 should_stop=self.stop_requested, stop_generation=stop, refresh=refresh,
-                progress=progress,
+                progress=progress, version=head,
             )  # fmt: skip
         except RolloutStopped as e:
             return Rated(self.replica, [], {}, start, e.phase, step, head, e.progress)

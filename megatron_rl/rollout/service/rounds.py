@@ -166,11 +166,13 @@ def generate_round(
     stop_generation: Callable[[], bool] | None,
     refresh: WeightRefresh | None = None,
     progress: RolloutProgress | None = None,
+    version: int = 0,
 ) -> RatedRollout:
     """The rated groups of `prompts.dp_rank`'s share (rollout_batch_size / dp_size prompts)
     of `stage` step `step`; `RolloutStopped` when `should_stop` says so (see
     `generate_samples_with_rating`); `refresh`: partial rollouts (`VLLMEngine.generate`);
-    `progress`: what a stopped run of this rollout generated (`rollout/progress.py`)."""
+    `progress`: what a stopped run of this rollout generated (`rollout/progress.py`);
+    `version`: the policy version it starts under (engines apart count them)."""
     return generate_samples_with_rating(
         prompts,
         config.rollout.rollout_batch_size // prompts.dp_size,
@@ -187,4 +189,5 @@ def generate_round(
         stage=stage,
         step=step,
         replicas=prompts.dp_size,
+        version=version,
     )

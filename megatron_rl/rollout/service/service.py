@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from megatron_rl.config import TrainConfig
@@ -22,7 +23,12 @@ from megatron_rl.data import PromptStream
 from megatron_rl.parallel.collectives import any_model_parallel_rank, is_model_parallel_source
 from megatron_rl.preemption import STOP
 from megatron_rl.rollout.evaluation import Evaluator
-from megatron_rl.rollout.progress import RolloutProgress, RolloutStopped, progress_for
+from megatron_rl.rollout.progress import (
+    RolloutProgress,
+    RolloutStopped,
+    load_progress,
+    progress_for,
+)
 from megatron_rl.rollout.service.protocol import EngineRanks
 from megatron_rl.rollout.service.rounds import DataParallelShard, generate_round
 from megatron_rl.rollout.shm import ShmRecord
@@ -63,17 +69,14 @@ class RolloutService(Protocol):
         """What the memory timeline records as the engine's state ("weights+kv_cache",
         "asleep", "apart")."""
 
-    def generate(
-        self,
-        stage: str,
-        step: int,
-        prompts: PromptStream,
-        saved: dict[int, RolloutProgress] | None = None,
-    ) -> Rollout:
+    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
         """This DP rank's share of `stage` step `step`'s rollout, drawn from `prompts` (left
-        where the draws ended; as it was when the rollout was aborted). `saved`: the
-        progress a stop's checkpoint kept (every replica's, as `Rollout.progress` gave
-        them): what of it belongs to this step is not generated again."""
+        where the draws ended; as it was when the rollout was aborted); what
+        `resume_progress` loaded of it is not generated again."""
+
+    def resume_progress(self, checkpoint: Path) -> None:
+        """Load what of the rollout a stop's `checkpoint` kept (`Rollout.progress`, every
+        rank its own part), for the next `generate` to continue."""
 
     def push_weights(self, actor, version: int, evaluate: bool = False, changed: bool = True):
         """The actor's weights, policy `version` (PPO steps so far), to the engines.
@@ -121,6 +124,8 @@ class LocalRollout:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.release_cached_blocks = release_cached_blocks
         self.evaluates = bool(evaluator)
+        self.saved: dict[int, RolloutProgress] = {}
+        """What a stop's checkpoint kept of this replica's rollout (`resume_progress`)."""
 
     @property
     def awake(self) -> tuple[str, ...]:
@@ -134,8 +139,12 @@ class LocalRollout:
         rollout in lockstep, so they stop together): asked between the rollout's chunks."""
         return any_model_parallel_rank(STOP.requested)
 
-    def generate(self, stage, step, prompts, saved=None) -> Rollout:
-        progress = progress_for(saved or {}, stage, step, self.dp_rank, self.dp_size)
+    def resume_progress(self, checkpoint: Path) -> None:
+        self.saved = load_progress(checkpoint, [self.dp_rank])
+
+    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
+        saved, self.saved = self.saved, {}
+        progress = progress_for(saved, stage, step, self.dp_rank, self.dp_size)
         try:
             rollout = generate_round(
                 self.config, stage, step, DataParallelShard(prompts, self.dp_rank, self.dp_size),
@@ -185,14 +194,20 @@ class RemoteRollout:
         on the trainers in seconds (the engine ranks score)."""
         self.config, self.ranks, self.evaluator, self.pool = config, ranks, evaluator, pool
         self.evaluates = bool(evaluator)
+        self.saved: dict[int, RolloutProgress] = {}
+        """Every replica's rollout a stop's checkpoint kept, on rank 0 (`resume_progress`)."""
         self.pushed_eval = None
         """The eval sums the engines made right after the last push (`push_weights`)."""
 
     def memory_state(self) -> str:
         return "apart"
 
-    def generate(self, stage, step, prompts, saved=None) -> Rollout:
-        data, saved = prompts.state_dict(), saved or {}
+    def resume_progress(self, checkpoint: Path) -> None:
+        """Rank 0 loads every replica's (it sends them with the first round)."""
+        self.saved = load_progress(checkpoint) if self.ranks.is_source else {}
+
+    def generate(self, stage: str, step: int, prompts: PromptStream) -> Rollout:
+        data, saved, self.saved = prompts.state_dict(), self.saved, {}
         if stage == "train":  # generated ahead as async.max_staleness allows
             answer = self.ranks.round(step, self.config.trainer.total_steps, data, saved)
         else:  # value pretraining: its policy is frozen, nothing to run ahead of
