@@ -88,7 +88,7 @@ REAP_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0
 
 
-KERNEL_LAYERS = ("namespaces", "landlock", "seccomp")
+KERNEL_LAYERS = ("uid", "namespaces", "landlock", "seccomp")
 """The kernel layers `isolation: strict` needs, every one (the module docstring)."""
 
 
@@ -108,6 +108,14 @@ class SandboxConfig:
     """stdout + stderr read from the child; past it the process group is killed."""
     max_processes: int = 0
     """Processes a call may start. Only 0 (refused by seccomp and the hook) is supported."""
+    max_threads: int = 64
+    """Threads a call may have, its main thread included (RLIMIT_NPROC inside its own user
+    namespace: counted per call, not per uid). Python's `threading`, numpy and sympy need a
+    few (the math libraries are told to use one thread); a thread flood stops here."""
+    run_as_uid: int = 65534
+    """When the trainer runs as root: the kernel uid and gid the child drops to before its
+    user namespace (65534, `nobody`, by default; one that owns nothing on the host). A
+    trainer that is not root is already unprivileged: its sandboxes keep its uid."""
     isolation: str = "strict"
     """"strict": refuse to run unless all three kernel layers apply (`KERNEL_LAYERS`: user
     namespace, Landlock, seccomp) and the probe finds network, files and processes isolated;
@@ -130,6 +138,10 @@ class SandboxConfig:
              "an int >= 1024"),
             ("max_processes", self.max_processes == 0,
              "0: the sandbox refuses every new process, other counts are not supported"),
+            ("max_threads", is_int(self.max_threads) and 1 <= self.max_threads <= 4096,
+             "an int in [1, 4096]"),
+            ("run_as_uid", is_int(self.run_as_uid) and 1 <= self.run_as_uid < 2**32 - 1
+             and self.run_as_uid != 65535, "a uid >= 1, not 65535 or 2**32 - 1 (not root)"),
             ("isolation", self.isolation in ("strict", "best_effort"), "'strict' or 'best_effort'"),
             ("error_lines", is_int(self.error_lines) and self.error_lines >= 1, "an int >= 1"),
         )  # fmt: skip
@@ -228,8 +240,13 @@ def _run_probe() -> IsolationReport:
         workdir, outside = os.path.join(top, "dir"), os.path.join(top, "outside.txt")
         os.mkdir(workdir)
         Path(outside).write_text("outside\n")
+        # Readable by any uid: what keeps it from the probe is Landlock, not the file's mode.
+        os.chmod(top, 0o755)
+        os.chmod(outside, 0o644)
+        limits = {"run_as_uid": SandboxConfig.run_as_uid, "max_threads": SandboxConfig.max_threads}
         proc = subprocess.run(
-            [sys.executable, "-I", "-B", str(CHILD_SCRIPT), "--probe", workdir, outside],
+            [sys.executable, "-I", "-B", str(CHILD_SCRIPT), "--probe", workdir, outside,
+             json.dumps(limits)],
             cwd=workdir, env=_child_env(workdir), stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, start_new_session=True,
         )  # fmt: skip
@@ -389,7 +406,8 @@ def _status(stop: str, returncode: int | None) -> tuple[str, str]:
 def _run_in(workdir: str, code: str, config: SandboxConfig) -> SandboxResult:
     Path(workdir, CODE_FILE).write_text(code, encoding="utf-8", errors="surrogateescape")
     child_config = {"timeout_s": config.timeout_s, "memory_limit_mb": config.memory_limit_mb,
-                    "isolation": config.isolation, "parent_pid": os.getpid()}  # fmt: skip
+                    "isolation": config.isolation, "parent_pid": os.getpid(),
+                    "run_as_uid": config.run_as_uid, "max_threads": config.max_threads}  # fmt: skip
     status_r, status_w = os.pipe()
     start = time.monotonic()
     deadline = start + config.timeout_s

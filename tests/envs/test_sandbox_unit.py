@@ -318,20 +318,22 @@ def test_strict_refuses_without_kernel_isolation(monkeypatch):
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: nothing)
     with pytest.raises(SandboxUnavailable, match="best_effort"):
         check_isolation(SandboxConfig())
-    with pytest.raises(SandboxUnavailable, match="lacks namespaces, landlock, seccomp"):
+    with pytest.raises(SandboxUnavailable, match="lacks uid, namespaces, landlock, seccomp"):
         run_code("print(1)", SandboxConfig())
     assert run_code("print(1)", SandboxConfig(isolation="best_effort")).observation() == "1"
 
 
 @pytest.mark.parametrize(
     ("layers", "lacks"),
-    [(("landlock",), "namespaces, seccomp"), (("namespaces", "landlock"), "seccomp"),
-     (("landlock", "seccomp"), "namespaces"), (("namespaces", "seccomp"), "landlock")],
+    [(("uid", "landlock"), "namespaces, seccomp"), (("uid", "namespaces", "landlock"), "seccomp"),
+     (("uid", "landlock", "seccomp"), "namespaces"), (("uid", "namespaces", "seccomp"), "landlock"),
+     (("namespaces", "landlock", "seccomp"), "uid")],
 )  # fmt: skip
 def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers, lacks):
     """Network and files isolated by the remaining layers is not enough: without the
     namespace the child holds root's capabilities over host files, without seccomp a process
-    leaves the group kill, without Landlock files are open."""
+    leaves the group kill, without Landlock files are open, without the uid drop a root
+    trainer's child passes every same-uid check and is bound by no RLIMIT_NPROC."""
     report = IsolationReport(True, True, "seccomp" in layers, layers, "")
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: report)
     with pytest.raises(SandboxUnavailable, match=f"lacks {lacks}, isolating network=True"):
@@ -341,7 +343,9 @@ def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers
 @pytest.mark.parametrize(
     "field,value",
     [("timeout_s", 0), ("timeout_s", float("nan")), ("memory_limit_mb", 8),
-     ("max_output_bytes", 10), ("max_processes", 2), ("isolation", "none"), ("error_lines", 0)],
+     ("max_output_bytes", 10), ("max_processes", 2), ("isolation", "none"), ("error_lines", 0),
+     ("max_threads", 0), ("max_threads", True), ("run_as_uid", 0), ("run_as_uid", 65535),
+     ("run_as_uid", -1)],
 )  # fmt: skip
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SandboxConfig.{field}: "):
