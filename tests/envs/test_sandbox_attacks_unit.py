@@ -1,23 +1,40 @@
 """Hostile code against the sandbox's kernel layers, each attack checked from OUTSIDE (the
-canary file's mode, times and attributes, a listening socket, this process's limits,
-priority, CPUs and keyring), with the audit hook first switched off the way an attacker
-would (the hook is messages, not a boundary: its module globals are reachable through `gc`),
-then the calls made through ctypes, which no audit event sees. In `strict`, on this
-machine's kernel (user namespace, Landlock, seccomp: `test_sandbox_unit.py` checks they
-apply), every one is contained. Bounded (one call each, 5 s) and loopback only."""
+canary files' contents, modes, times, attributes and links, listening sockets, this
+process's limits, priority, scheduling, I/O priority, signals and keyring, a canary
+process's life and tracer, host IPC objects, the child's own uid, threads and limits in
+/proc), with the audit hook first switched off the way an attacker would (the hook is
+messages, not a boundary: its module globals are reachable through `gc`), then the calls
+made through ctypes, which no audit event sees. In `strict`, on this machine's kernel
+(user namespace, Landlock, seccomp: `test_sandbox_unit.py` checks they apply), every one is
+contained. Host files the code aims at lie in a folder any uid may write (`open_dir`), so
+that what stops the code is the sandbox, not the files' modes. Bounded (one call each, 5 s,
+threads and IPC objects removed) and loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import glob
+import math
 import os
 import platform
 import resource
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.envs.sandbox import SandboxConfig, run_code
+from megatron_rl.envs.sandbox_child import FSIZE_BYTES, NOFILE
 
 CONFIG = SandboxConfig(timeout_s=5.0)
 
@@ -37,7 +54,14 @@ HOOK_OFF = textwrap.dedent(
 )
 """Prefix of every attack: the audit hook's ctypes check disabled, libc at hand."""
 
-SYSCALLS = {"x86_64": {"keyctl": 250, "add_key": 248}, "aarch64": {"keyctl": 219, "add_key": 217}}
+SYSCALLS = {
+    "x86_64": {"keyctl": 250, "add_key": 248, "sched_setattr": 314, "ioprio_set": 251,
+               "ioprio_get": 252},
+    "aarch64": {"keyctl": 219, "add_key": 217, "sched_setattr": 274, "ioprio_set": 30,
+                "ioprio_get": 31},
+}  # fmt: skip
+NUMBERS = SYSCALLS.get(platform.machine(), {})
+needs_numbers = pytest.mark.skipif(not NUMBERS, reason=f"syscall numbers for {platform.machine()}")
 KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING = -3, -4
 KEYCTL_REVOKE, KEYCTL_SEARCH, KEYCTL_READ = 3, 10, 11
 
@@ -124,7 +148,7 @@ def test_no_limit_priority_or_cpus_of_the_trainer_change():
         os.sched_setaffinity(0, cpus)
 
 
-@pytest.mark.skipif(platform.machine() not in SYSCALLS, reason="keyctl's number on this CPU")
+@needs_numbers
 def test_the_callers_keyrings_are_out_of_reach():
     """A secret key in this process's session keyring is not read back, and no key is
     planted in its session or user keyring to outlive the call."""
@@ -153,3 +177,238 @@ def test_the_callers_keyrings_are_out_of_reach():
             assert found == -1  # ENOKEY
     finally:
         libc.syscall(numbers["keyctl"], KEYCTL_REVOKE, secret)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+ROOT_TRAINER = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="the trainer is not root: its sandboxes keep its own (unprivileged) uid",
+)
+WAIT = """
+open("ready", "w").close()
+import os as _os, time as _time
+while not _os.path.exists("done"):
+    _time.sleep(0.01)
+"""
+"""Suffix of a paused attack: says it is ready, then waits for the test's `done` (or its
+time limit), so the test can look at the child from outside meanwhile."""
+
+
+@pytest.fixture
+def open_dir():
+    """A folder in /tmp any uid may write, with a canary any uid may write: only the sandbox
+    (Landlock) keeps the code from them, not their modes or a closed parent folder."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-open-", dir="/tmp"))
+    os.chmod(path, 0o777)
+    canary = path / "canary"
+    canary.write_text("host file")
+    os.chmod(canary, 0o666)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def canary_process():
+    """A host process (`sleep`, started by this process) with a secret in its environment."""
+    secret = f"sandbox-secret-{os.getpid()}"
+    proc = subprocess.Popen(["sleep", "60"], env={"SANDBOX_SECRET": secret}, start_new_session=True)
+    yield proc, secret
+    proc.kill()
+    proc.wait()
+
+
+def child_in(workdir: str) -> int | None:
+    """The sandbox child whose working directory is `workdir`."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{entry}/cwd") == workdir:
+                return int(entry)
+        except OSError:
+            continue
+    return None
+
+
+def wait_for(condition, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+@contextlib.contextmanager
+def paused(body: str, parent: Path, config: SandboxConfig = CONFIG):
+    """Run an attack, then `WAIT`, in a thread, in a fresh folder under `parent`; yields
+    (the child's pid, its folder, the future of its result) once it is ready."""
+    before = set(glob.glob(f"{parent}/sandbox-*/"))
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_code, HOOK_OFF + textwrap.dedent(body) + WAIT, config,
+                             workdir_parent=str(parent))  # fmt: skip
+
+        def ready():
+            fresh = set(glob.glob(f"{parent}/sandbox-*/ready")) - {f"{d}ready" for d in before}
+            return next(iter(fresh), None) or future.done()
+
+        marker = wait_for(ready)
+        assert isinstance(marker, str), future.result().observation()
+        workdir = os.path.dirname(marker)
+        pid = child_in(workdir)
+        try:
+            yield pid, workdir, future
+        finally:
+            Path(workdir, "done").touch()
+            result = future.result()
+            assert result.status == "ok", result.observation()
+
+
+def proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+# ---------------------------------------------------------------------------- the uid, threads, limits
+
+
+@ROOT_TRAINER
+def test_the_child_runs_as_an_unprivileged_kernel_uid(open_dir):
+    """Seen from the host (/proc, outside its user namespace): uid and gid `run_as_uid`, no
+    supplementary group, every capability in the host's namespace gone; its folder is its
+    own. Root's child would otherwise pass every same-uid check of the kernel."""
+    with paused("", open_dir) as (pid, workdir, _):
+        status = proc_status(pid)
+        uid = str(CONFIG.run_as_uid)
+        assert status["Uid"].split() == [uid] * 4
+        assert status["Gid"].split() == [uid] * 4
+        assert status["Groups"].strip() == ""
+        assert os.stat(workdir).st_uid == CONFIG.run_as_uid
+
+
+FLOOD = """
+    attr = ctypes.create_string_buffer(64)  # pthread_attr_t: 56 bytes on 64-bit Linux
+    libc.pthread_attr_init(attr)
+    libc.pthread_attr_setstacksize(attr, ctypes.c_size_t(65536))  # not bound by RLIMIT_AS
+    tid = ctypes.c_ulong()
+    pause = ctypes.cast(libc.pause, ctypes.c_void_p)  # each thread waits in C, forever
+    made = 0
+    while made < 3000 and libc.pthread_create(ctypes.byref(tid), attr, pause, None) == 0:
+        made += 1
+    print("made", made)
+"""
+
+
+def test_a_thread_flood_is_bounded_per_call(open_dir):
+    """Raw pthread_create through ctypes (small stacks: the address-space limit is not what
+    stops them) in two calls at once: each stops at `max_threads` (its own count, not one
+    shared by the uid), seen in /proc; both calls end and leave no thread or process, and
+    this process still starts both."""
+    config = SandboxConfig(timeout_s=5.0, max_threads=32)
+    with paused(FLOOD, open_dir, config) as (first, _, first_result):
+        with paused(FLOOD, open_dir, config) as (second, _, second_result):
+            for pid in (first, second):
+                assert int(proc_status(pid)["Threads"]) == config.max_threads
+    for result in (first_result.result(), second_result.result()):
+        assert result.stdout == f"made {config.max_threads - 1}\n"
+    for pid in (first, second):
+        assert not os.path.exists(f"/proc/{pid}/task") or proc_status(pid)["State"][1] == "Z"
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join()
+    assert subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True).stdout == b"7\n"
+
+
+def test_no_limit_is_raised_back(open_dir):
+    """Every hard limit raised to infinity (prlimit64 on itself, setrlimit): /proc shows the
+    sandbox's limits unchanged."""
+    body = """
+        class Rlimit(ctypes.Structure):
+            _fields_ = [("cur", ctypes.c_ulong), ("max", ctypes.c_ulong)]
+        up = Rlimit(2**64 - 1, 2**64 - 1)
+        for which in (0, 1, 6, 7, 9):  # CPU, FSIZE, NPROC, NOFILE, AS
+            report("prlimit64", libc.prlimit64(0, which, ctypes.byref(up), None))
+            report("setrlimit", libc.setrlimit(which, ctypes.byref(up)))
+    """
+    with paused(body, open_dir) as (pid, _, _):
+        limits = {line[:26].strip(): line[26:].split()[:2]
+                  for line in Path(f"/proc/{pid}/limits").read_text().splitlines()[1:]}  # fmt: skip
+    hard = {name: values[1] for name, values in limits.items()}
+    assert hard["Max processes"] == str(CONFIG.max_threads)
+    assert hard["Max open files"] == str(NOFILE)
+    assert hard["Max address space"] == str(CONFIG.memory_limit_mb * 2**20)
+    assert hard["Max cpu time"] == str(math.ceil(CONFIG.timeout_s) + 1)
+    assert hard["Max file size"] == str(FSIZE_BYTES)
+
+
+# ---------------------------------------------------------------------------- other processes
+
+
+@needs_numbers
+def test_no_scheduling_or_io_priority_of_the_trainer_changes():
+    """sched_setscheduler, sched_setparam, sched_setattr and ioprio_set aimed at the parent
+    (this process's main thread): its policy, priority and I/O priority stay."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    ioprio = libc.syscall(NUMBERS["ioprio_get"], 1, 0)  # IOPRIO_WHO_PROCESS, this one
+    try:
+        out = attack(f"""
+            import os
+            parent = os.getppid()
+            prio = ctypes.c_int(0)
+            report("sched_setscheduler", libc.sched_setscheduler(parent, 5, ctypes.byref(prio)))
+            report("sched_setparam", libc.sched_setparam(parent, ctypes.byref(ctypes.c_int(1))))
+            attr = (ctypes.c_uint32 * 14)(56, 5)  # size, SCHED_IDLE
+            report("sched_setattr", libc.syscall({NUMBERS["sched_setattr"]}, parent, attr, 0))
+            report("ioprio_set", libc.syscall({NUMBERS["ioprio_set"]}, 1, parent, 3 << 13))
+        """)
+        assert os.sched_getscheduler(0) == policy
+        assert os.sched_getparam(0) == param
+        assert libc.syscall(NUMBERS["ioprio_get"], 1, 0) == ioprio
+        assert out.count(" -1 ") == 4, out
+    finally:  # an escape must not slow the tests after this one
+        os.sched_setscheduler(0, policy, param)
+        libc.syscall(NUMBERS["ioprio_set"], 1, 0, ioprio)
+
+
+def test_no_signal_reaches_the_trainer_or_another_process(canary_process):
+    """kill and tgkill of a host process (SIGKILL) and of the parent (SIGUSR2, caught here):
+    the process lives, the parent receives nothing."""
+    proc, _ = canary_process
+    received = []
+    previous = signal.signal(signal.SIGUSR2, lambda *a: received.append(a))
+    try:
+        out = attack(f"""
+            import os
+            parent = os.getppid()
+            report("kill", libc.kill({proc.pid}, 9))
+            report("tgkill", libc.tgkill({proc.pid}, {proc.pid}, 9))
+            report("kill_parent", libc.kill(parent, {int(signal.SIGUSR2)}))
+            report("tgkill_parent", libc.tgkill(parent, parent, {int(signal.SIGUSR2)}))
+            report("killpg", libc.killpg({proc.pid}, 9))  # its own group
+        """)
+        time.sleep(0.05)  # a signal sent would have arrived by now
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert proc.poll() is None
+    assert received == []
+    assert out.count(" -1 ") == 5, out
+
+
+def test_no_other_process_is_read_or_traced(canary_process):
+    """/proc/<pid>/environ and /proc/<pid>/mem of a host process and of the parent, and
+    PTRACE_ATTACH / PTRACE_SEIZE: nothing read (the secret never printed), no tracer."""
+    proc, secret = canary_process
+    out = attack(f"""
+        import os
+        for pid in ({proc.pid}, os.getppid()):
+            for name in ("environ", "mem", "cmdline"):
+                fd = libc.open(f"/proc/{{pid}}/{{name}}".encode(), 0)
+                report(name, fd)
+                if fd >= 0:
+                    print(os.read(fd, 4096))
+        report("attach", libc.ptrace(16, {proc.pid}, None, None))
+        report("seize", libc.ptrace(0x4206, {proc.pid}, None, None))
+    """)
+    assert secret not in out
+    assert proc_status(proc.pid)["TracerPid"].strip() == "0"
+    assert proc.poll() is None
+    assert out.count(" -1 ") == 8, out
