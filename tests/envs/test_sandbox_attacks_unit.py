@@ -412,3 +412,199 @@ def test_no_other_process_is_read_or_traced(canary_process):
     assert proc_status(proc.pid)["TracerPid"].strip() == "0"
     assert proc.poll() is None
     assert out.count(" -1 ") == 8, out
+
+
+# ---------------------------------------------------------------------------- host IPC objects
+
+IPC_CREAT, IPC_RMID, IPC_STAT = 0o1000, 0, 2
+
+
+def host_libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    return libc
+
+
+def test_no_host_sysv_shared_memory_is_read_or_removed():
+    """A host segment any uid may read and write, by key and by id: not found, not
+    attached, not removed (the child's IPC namespace holds none); its content stays."""
+    libc = host_libc()
+    key = 0x5A000000 + os.getpid() % 0xFFFF
+    shmid = libc.shmget(key, 4096, IPC_CREAT | 0o666)
+    assert shmid >= 0, f"shmget: errno {ctypes.get_errno()}"
+    try:
+        addr = libc.shmat(shmid, None, 0)
+        ctypes.memmove(addr, b"host secret\0", 12)
+        out = attack(f"""
+            libc.shmat.restype = ctypes.c_void_p
+            report("shmget", libc.shmget({key}, 0, 0))
+            addr = libc.shmat({shmid}, None, 0o10000)  # SHM_RDONLY
+            print("shmat", addr)
+            if addr not in (None, 2**64 - 1):
+                print(ctypes.string_at(addr, 11))
+            report("rmid", libc.shmctl({shmid}, {IPC_RMID}, None))
+        """)
+        assert "host secret" not in out
+        assert ctypes.string_at(addr, 11) == b"host secret"
+        assert libc.shmctl(shmid, IPC_STAT, ctypes.create_string_buffer(256)) == 0  # still there
+        libc.shmdt(ctypes.c_void_p(addr))
+    finally:
+        libc.shmctl(shmid, IPC_RMID, None)
+
+
+def test_no_host_posix_message_queue_is_read_or_removed():
+    """A host queue any uid may use, holding one message: not opened, not unlinked; the
+    message is still there."""
+    libc = host_libc()
+    name = f"/sandbox-canary-{os.getpid()}".encode()
+    mq = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o666, None)
+    assert mq >= 0, f"mq_open: errno {ctypes.get_errno()}"
+    try:
+        assert libc.mq_send(mq, b"host secret", 11, 0) == 0
+        out = attack(f"""
+            libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int]
+            mq = libc.mq_open({name!r}, 2)  # O_RDWR
+            report("mq_open", mq)
+            buf = ctypes.create_string_buffer(8192)
+            if mq >= 0:
+                print(libc.mq_receive(mq, buf, 8192, None), buf.value)
+            report("mq_unlink", libc.mq_unlink({name!r}))
+        """)
+        assert "host secret" not in out
+        attr = (ctypes.c_long * 8)()
+        assert libc.mq_getattr(mq, attr) == 0 and attr[3] == 1  # mq_curmsgs
+        again = libc.mq_open(name, os.O_RDONLY, 0, None)
+        assert again >= 0  # still linked
+        libc.mq_close(again)
+    finally:
+        libc.mq_close(mq)
+        libc.mq_unlink(name)
+
+
+def test_no_host_posix_shared_memory_is_read_or_removed():
+    """/dev/shm/NAME (shm_open's files), any uid may read and write: unread, unremoved."""
+    path = Path(f"/dev/shm/sandbox-canary-{os.getpid()}")
+    path.write_text("host secret")
+    os.chmod(path, 0o666)
+    try:
+        out = attack(f"""
+            fd = libc.open({str(path).encode()!r}, 2)  # O_RDWR
+            report("open", fd)
+            if fd >= 0:
+                print(__import__("os").read(fd, 64))
+            report("unlink", libc.unlink({str(path).encode()!r}))
+        """)
+        assert "host secret" not in out
+        assert path.read_text() == "host secret"
+    finally:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- sockets
+
+
+def test_no_abstract_unix_socket_reaches_a_host_listener():
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0sandbox-canary-{os.getpid()}"
+    listener.bind(name)
+    listener.listen(1)
+    listener.setblocking(False)
+    out = attack(f"""
+        import struct
+        fd = libc.socket(1, 1, 0)  # AF_UNIX, SOCK_STREAM
+        report("socket", fd)
+        addr = struct.pack("H", 1) + {name.encode()!r}
+        report("connect", libc.connect(fd, addr, len(addr)))
+    """)
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+    assert out.startswith("socket -1 1")
+
+
+def test_no_tcp_or_udp_reaches_a_host_loopback_listener():
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(8)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    for s in (tcp, udp):
+        s.setblocking(False)
+    out = attack(f"""
+        import socket, struct
+        def addr(port):
+            return struct.pack("=H", 2) + struct.pack("!H", port) + socket.inet_aton("127.0.0.1") + bytes(8)
+        for kind, port in ((1, {tcp.getsockname()[1]}), (2, {udp.getsockname()[1]})):
+            fd = libc.socket(2, kind, 0)
+            report("socket", fd)
+            report("connect", libc.connect(fd, addr(port), 16))
+            report("sendto", libc.sendto(fd, b"x", 1, 0, addr(port), 16))
+    """)
+    with pytest.raises(BlockingIOError):
+        tcp.accept()
+    with pytest.raises(BlockingIOError):
+        udp.recv(16)
+    tcp.close()
+    udp.close()
+    assert out.count("socket -1 1") == 2, out
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def host_tree(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """Each entry of `folder` (but sandboxes' own folders): its link count, mode, content."""
+    return {entry.name: (entry.lstat().st_nlink, entry.lstat().st_mode,
+                         entry.read_text() if entry.is_file() else "")
+            for entry in folder.iterdir() if not entry.name.startswith("sandbox-")}  # fmt: skip
+
+
+def test_nothing_is_written_outside_its_folder(open_dir):
+    """Into a folder and over a file any uid may write: not truncated, not replaced, no new
+    file, folder or fifo, nothing renamed or removed."""
+    before = host_tree(open_dir)
+    c, d = str(open_dir / "canary").encode(), str(open_dir).encode()
+    out = attack(f"""
+        fd = libc.open({c!r}, 0o1001)  # O_WRONLY | O_TRUNC
+        report("truncate_open", fd)
+        if fd >= 0:
+            libc.write(fd, b"escaped", 7)
+        report("create", libc.open({d + b"/new"!r}, 0o101, 0o666))  # O_WRONLY | O_CREAT
+        report("mkdir", libc.mkdir({d + b"/newdir"!r}, 0o777))
+        report("mkfifo", libc.mkfifo({d + b"/fifo"!r}, 0o666))
+        report("truncate", libc.truncate({c!r}, 0))
+        report("rename", libc.rename({c!r}, b"stolen"))
+        report("unlink", libc.unlink({c!r}))
+    """)
+    assert host_tree(open_dir) == before
+    assert out.count(" -1 ") == 7, out
+
+
+def test_no_link_out_of_its_folder_is_written_through(open_dir):
+    """A symlink and a hard link, made in its own folder, to a host file any uid may write,
+    and a symlink to a host folder: nothing written through them; the file keeps one link."""
+    (open_dir / "d").mkdir()
+    os.chmod(open_dir / "d", 0o777)
+    before = host_tree(open_dir)
+    c, d = str(open_dir / "canary").encode(), str(open_dir / "d").encode()
+    out = attack(f"""
+        report("symlink", libc.symlink({c!r}, b"s"))
+        fd = libc.open(b"s", 0o1001)  # O_WRONLY | O_TRUNC
+        report("open_symlink", fd)
+        if fd >= 0:
+            libc.write(fd, b"escaped", 7)
+        report("link", libc.link({c!r}, b"h"))
+        fd = libc.open(b"h", 0o1001)
+        report("open_link", fd)
+        if fd >= 0:
+            libc.write(fd, b"escaped", 7)
+        report("symlink_dir", libc.symlink({d!r}, b"sd"))
+        report("create_through", libc.open(b"sd/new", 0o101, 0o666))
+    """)
+    assert host_tree(open_dir) == before
+    assert (open_dir / "canary").read_text() == "host file"
+    assert os.stat(open_dir / "canary").st_nlink == 1
+    assert list((open_dir / "d").iterdir()) == []
+    assert "open_symlink -1" in out and "open_link -1" in out and "create_through -1" in out, out
