@@ -57,6 +57,10 @@ CASES = [
     ("no_output", "x = 1", "ok", "(no output)"),
     ("stdlib", "import math, fractions, itertools, json; print(math.comb(10, 3))", "ok", "120"),
     ("own_dir", "open('a.txt', 'w').write('kept'); print(open('a.txt').read())", "ok", "kept"),
+    # modules not loaded before the uid drop, from the stdlib, lib-dynload and site-packages
+    # (this machine's pyenv lies under /root, 0700: reached through the child's descriptors)
+    ("lazy_imports", "import decimal, encodings.idna, numpy\nprint(decimal.Decimal('0.1') + 1, "
+     "'x'.encode('idna'), numpy.arange(4).sum())", "ok", "1.1 b'x' 6"),
     ("threads", "import threading\nt = threading.Thread(target=print, args=('thread',))\n"
      "t.start(); t.join()", "ok", "thread"),
 ]  # fmt: skip
@@ -87,6 +91,20 @@ def test_write_outside_its_directory(tmp_path):
         result, "error", f"PermissionError: sandbox: {tmp_path}/x is outside its directory"
     )
     assert list(tmp_path.iterdir()) == []  # nothing written, and the call's own DIR removed
+
+
+def test_its_folder_under_a_closed_parent_is_home_and_temp(tmp_path):
+    """pytest's tmp_path lies under a 0700 folder of root's: a child that dropped to another
+    uid still writes its folder, by relative path and through HOME and TMPDIR."""
+    code = (
+        "import os, tempfile\n"
+        "with tempfile.NamedTemporaryFile('w', delete=False) as f: f.write('t')\n"
+        "open(os.path.join(os.environ['HOME'], 'h'), 'w').write('h')\n"
+        "print(sorted(os.listdir('.')) == sorted([os.path.basename(f.name), 'h']))"
+    )
+    result = run_code(code, CONFIG, workdir_parent=str(tmp_path))
+    assert_observation(result, "ok", "True")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_error_lines_keeps_the_traceback_end():
