@@ -12,25 +12,56 @@ The child restricts itself before running anything (`sandbox_child.py`; no `pree
 is unsafe in the threaded trainer). What each layer gives, and what it does not:
 - always: rlimits (CPU, address space = `memory_limit_mb`, 16 MiB files, 64 open files, no
   core), `PR_SET_PDEATHSIG` (a killed trainer takes its sandboxes with it), a new session.
+- `uid`: a trainer running as root has its child drop to `run_as_uid` (65534, `nobody`, by
+  default; gid the same, no supplementary group) before anything else, so the kernel's own
+  checks on processes and files (signals, /proc, ptrace, priorities, RLIMIT_NPROC, a file's
+  owner bits) see an unprivileged user; PDEATHSIG is set again after the change (the kernel
+  clears it) and the parent checked alive. A trainer that is not root is unprivileged
+  already: its child keeps its uid (nothing else changes). Either way the child then joins a
+  fresh session keyring, so no key of the caller's is reachable even by its id.
+  What root could reach and the new uid cannot by path (the interpreter under /root, 0700,
+  with pyenv; DIR under pytest's 0700 tmp_path) is opened by the child while still root and
+  reached through those descriptors: Landlock's rules are made from them, `sys.path` entries
+  (and the `__path__` of packages already imported) become `/proc/self/fd/N`, HOME and
+  TMPDIR become `/proc/self/cwd`. The kernel resolves these links without searching the
+  folders above; what may be read is still Landlock's decision. DIR is given to the uid by
+  the child (chown, as root, before the drop). Tracebacks through standard-library frames
+  then lack their source lines (their files' recorded paths are not reachable).
 - `namespaces`: an unprivileged user + network + IPC namespace. The network is empty (no
-  interface up, loopback included); the host's uids are unmapped inside, so even a sandbox
-  started by root has no capability over host files or processes. Files stay visible.
+  interface up, loopback included); the host's uids are unmapped inside, so the child has no
+  capability over host files or processes; the host's SysV and POSIX IPC objects are not
+  visible. Files stay visible. Then the thread bound: RLIMIT_NPROC = `max_threads`, set inside
+  the namespace (below).
 - `landlock`: files: read-only the interpreter's stdlib and site-packages and the system
   libraries, read-write DIR, nothing else, no execve; TCP bind/connect refused (ABI >= 4);
   no signals or abstract sockets beyond the sandbox (ABI >= 6).
 - `seccomp` (libseccomp via ctypes, after no_new_privs): no new process (fork, vfork, clone
   without CLONE_THREAD, clone3 -> ENOSYS so glibc falls back to clone); no socket (a unix
   socket reaches host listeners by path); no io_uring, no ptrace; nothing on another process
-  (prlimit, priority, affinity, scheduler, I/O priority: the trainer's uid would pass); no
-  metadata change of any file (chmod / chown / utime / xattr families: Landlock does not see
-  them); no keyring. Threads still work.
+  (prlimit, priority, affinity, scheduler, I/O priority: a same-uid check would pass for a
+  trainer that is not root); no metadata change of any file (chmod / chown / utime / xattr
+  families: Landlock does not see them); no keyring. Threads still work, up to the bound.
 - `audit_hook` (always, on top): a `sys.addaudithook` guard that turns the same attempts into
   one-line `PermissionError: sandbox: ...` observations. It is NOT a security boundary
   (PEP 578: code can reach around it through objects in memory). Each kernel layer covers
-  what the others cannot (without the namespace the child keeps root's capabilities over
-  host files; without seccomp a process can leave the group kill; without Landlock files are
-  open), so `isolation: strict` (the default) refuses to run unless all three apply, naming
-  the missing ones, and `best_effort` must be chosen explicitly. For untrusted models at scale use a service (SandboxFusion, gVisor).
+  what the others cannot (a root child keeps the trainer's uid for every same-uid check and
+  is bound by no RLIMIT_NPROC; without the namespace the network and the host's IPC are
+  reachable; without seccomp a process can leave the group kill; without Landlock files are
+  open), so `isolation: strict` (the default) refuses to run unless all four apply
+  (`KERNEL_LAYERS`), naming the missing ones, and `best_effort` must be chosen explicitly.
+  For untrusted models at scale use a service (SandboxFusion, gVisor). The threat model
+  (what is promised, on which kernels, what is not) is in docs/tools.md.
+
+The thread bound. RLIMIT_NPROC counts tasks (threads too) of a uid, and does not bind uid 0:
+hence the drop first. Set inside the child's own user namespace it binds per call: since
+Linux 5.14 the kernel counts it per (user namespace, uid) and checks each level up to the
+host's, where the limit is the one the namespace was created with (the trainer's); so
+concurrent sandboxes under one uid, or a non-root trainer's own processes, do not share it
+(tested: two floods at once stop at `max_threads` each). Older kernels count it per uid on the
+host: a non-root trainer's sandboxes would then share it with the trainer. A pids cgroup was
+not used: this machine has cgroup v1 (the pids controller is there; the unified hierarchy has
+no controller), and on a cluster node the trainer's cgroup is seldom delegated to it (a cgroup
+v2 child needs write access and, by the no-internal-process rule, a parent without processes).
 
 Where the design (docs/design/tools.md §3.5) was changed for this machine:
 - No pid namespace. Its pid 1 must be a forked child of the sandbox process; when the parent
@@ -41,17 +72,19 @@ Where the design (docs/design/tools.md §3.5) was changed for this machine:
   created around it and then `setsid` would escape the group kill: stated, not handled.
 - No mount namespace or `pivot_root`: Landlock confines files more cheaply; where it is
   missing, `files` is False and `strict` refuses.
-- No RLIMIT_NPROC: root ignores it and it counts every process of the uid (the trainer's too).
 - `max_processes` other than 0 is refused: seccomp cannot count processes.
 
-Measured on this machine (Firecracker VM, kernel 6.18, Debian 12, Python 3.11.7, 2 cores), as
-root and as `nobody` (system Python, the probe only): user namespaces work (`unshare -rn true`),
-Landlock ABI 7, libseccomp 2.5.4; `probe_isolation` finds network, files and processes isolated
-by all three kernel layers (TCP and UDP connect -> EPERM from seccomp, or ENETUNREACH from the
-namespace alone; a read outside DIR -> EACCES from Landlock; fork -> EPERM). A trivial call
-takes about 40 ms. RLIMIT_AS counts virtual memory: `import numpy` needs >= 128 MiB,
-`import numpy, sympy` >= 192 MiB (threads at 1); `print("x" * 10**9)` needs ~2 GiB (the string
-and its UTF-8 copy), so at the default 1 GiB it is a MemoryError.
+Measured on this machine (Firecracker VM, kernel 6.18, Debian 12, Python 3.11.7 from pyenv
+under /root, 2 cores), as root: user namespaces work (`unshare -rn true`), Landlock ABI 7,
+libseccomp 2.5.4; `probe_isolation` finds network, files and processes isolated by all four
+layers (TCP and UDP connect -> EPERM from seccomp, or ENETUNREACH from the namespace alone; a
+world-readable file outside DIR -> EACCES from Landlock; fork -> EPERM), the child at uid
+65534 in /proc. A trivial call takes about 50 ms. RLIMIT_AS counts virtual memory: `import
+numpy` needs >= 128 MiB, `import numpy, sympy` >= 192 MiB (threads at 1); each Python thread
+reserves its stack and, once it allocates, a 64 MiB malloc arena, so at the default 1 GiB
+about 20 `threading` threads fit before `max_threads` (threads with small stacks through
+ctypes reach it exactly); `print("x" * 10**9)` needs ~2 GiB (the string and its UTF-8 copy),
+so at the default 1 GiB it is a MemoryError.
 
 The design's `python -I -m megatron_rl.envs.sandbox_child` is run by path instead: the child
 imports nothing of the package, and `-I` would not see a repository that is not installed.
@@ -89,7 +122,8 @@ PROBE_TIMEOUT_S = 30.0
 
 
 KERNEL_LAYERS = ("uid", "namespaces", "landlock", "seccomp")
-"""The kernel layers `isolation: strict` needs, every one (the module docstring)."""
+"""The kernel layers `isolation: strict` needs, every one (the module docstring). "uid": the
+child's kernel uid is not root (dropped to `run_as_uid`, or the trainer's own)."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -117,8 +151,9 @@ class SandboxConfig:
     user namespace (65534, `nobody`, by default; one that owns nothing on the host). A
     trainer that is not root is already unprivileged: its sandboxes keep its uid."""
     isolation: str = "strict"
-    """"strict": refuse to run unless all three kernel layers apply (`KERNEL_LAYERS`: user
-    namespace, Landlock, seccomp) and the probe finds network, files and processes isolated;
+    """"strict": refuse to run unless all four kernel layers apply (`KERNEL_LAYERS`: an
+    unprivileged uid, a user namespace, Landlock, seccomp) and the probe finds network, files
+    and processes isolated;
     "best_effort": run under whatever layers the kernel allows (maybe only the audit hook: no
     boundary)."""
     error_lines: int = 1
@@ -200,7 +235,7 @@ class IsolationReport:
     processes: bool
     """fork is refused by the kernel (seccomp)."""
     layers: tuple[str, ...]
-    """The kernel layers that applied: "namespaces", "landlock", "seccomp"."""
+    """The kernel layers that applied: "uid", "namespaces", "landlock", "seccomp"."""
     details: str
     """The probe's findings, one clause per layer and per check."""
 

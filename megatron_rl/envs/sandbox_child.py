@@ -7,23 +7,31 @@ read). It imports nothing from `megatron_rl`, only the standard library, for the
 The restrictions are applied by the child to itself, in this order, before any user code:
 1. `PR_SET_PDEATHSIG` SIGKILL (dies with the thread that started it), job signals ignored;
 2. rlimits: CPU, address space, file size, open files, no core files;
-3. `unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC)`: an empty network namespace (no
-   interface is up, not even loopback) and no capability over the host's files or processes;
-4. Landlock: read-only access to the interpreter's files and the system libraries, read-write
-   access to DIR, nothing else; no TCP bind/connect (ABI >= 4); no signals to processes
-   outside the sandbox (ABI >= 6);
-5. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket, no
+3. the uid: as root, the paths it will need opened (O_PATH), DIR given to `run_as_uid`, then
+   setgroups([]), setresgid, setresuid to it, PDEATHSIG set again (the change cleared it);
+   not root: the trainer's uid stays. Then a fresh session keyring (keyctl);
+4. `unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC)`: an empty network namespace (no
+   interface is up, not even loopback), no capability over the host's files or processes,
+   none of the host's IPC objects; then RLIMIT_NPROC = `max_threads`, counted in this
+   namespace: this call's threads only;
+5. Landlock: read-only access to the interpreter's files and the system libraries, read-write
+   access to DIR, nothing else (rules made from the descriptors of step 3); no TCP
+   bind/connect (ABI >= 4); no signals or abstract sockets beyond the sandbox (ABI >= 6);
+6. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket, no
    io_uring, no ptrace, nothing on another process (limits, priority, CPUs, scheduling, I/O
    priority), no file metadata change (mode, owner, times, attributes), no keyring;
-6. an audit hook (PEP 578) that turns the same attempts into one-line
+   then the `sys.path` folders the new uid cannot search by path are reached through their
+   descriptors (`/proc/self/fd/N`), and DIR as HOME and TMPDIR through `/proc/self/cwd`;
+7. an audit hook (PEP 578) that turns the same attempts into one-line
    `PermissionError("sandbox: ...")` messages. It is not a security boundary.
-The layers the kernel granted (3-5, plus "audit_hook") are written to STATUS_FD as JSON before
+The layers the kernel granted (3-6, plus "audit_hook") are written to STATUS_FD as JSON before
 the code runs; with `isolation: strict` and a kernel layer that could not be applied the child
 writes a refusal there instead and exits without running anything.
 
-`--probe DIR OUTSIDE_FILE` applies layers 1-5 and checks, from inside, what they actually stop
-(a TCP and a UDP connection, reading OUTSIDE_FILE, a fork) and that the standard library still
-imports; it prints a JSON report on stdout (read by `sandbox.probe_isolation`).
+`--probe DIR OUTSIDE_FILE LIMITS_JSON` applies layers 2-6 (LIMITS_JSON: `run_as_uid`,
+`max_threads`) and checks, from inside, what they actually stop (a TCP and a UDP connection,
+reading OUTSIDE_FILE, a fork) and that the standard library still imports; it prints a JSON
+report on stdout (read by `sandbox.probe_isolation`).
 """
 
 from __future__ import annotations
