@@ -173,12 +173,14 @@ def drop_privileges(workdir: str, uid: int, parent_pid: int) -> str | None:
 
 def join_fresh_keyring() -> str | None:
     """A new anonymous session keyring (keyctl JOIN_SESSION_KEYRING), before seccomp
-    forbids keyctl. A kernel without keyrings (ENOSYS) has none of the caller's either."""
+    forbids keyctl; None if done (or no keyring is reachable at all), else why not."""
     number = _syscall_number("keyctl")
     if number is None:
         return None
     if _syscall(number, ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
-        if ctypes.get_errno() == errno.ENOSYS:
+        # No keyrings in this kernel, or keyctl refused to this process already (an outer
+        # seccomp filter, a container's): no key is reachable from here either way.
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
             return None
         return f"keyctl(JOIN_SESSION_KEYRING): {_errno_text()}"
     return None

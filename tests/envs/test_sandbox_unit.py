@@ -5,6 +5,7 @@ assumed: a machine where `unshare -rn true` works must get namespaces)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from textwrap import dedent
 
 import pytest
 
@@ -28,6 +30,7 @@ from megatron_rl.envs.sandbox import (
     probe_isolation,
     run_code,
 )
+from tests.envs.test_sandbox_attacks_unit import FLOOD, HOOK_OFF
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0
@@ -368,3 +371,43 @@ def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SandboxConfig.{field}: "):
         SandboxConfig(**{field: value})
+
+
+NOT_ROOT_UID = 54321
+"""A uid for the trainer-that-is-not-root test, owning nothing here."""
+NOT_ROOT_SCRIPT = """
+import json, subprocess, sys
+sys.path.insert(0, {repo!r})
+from megatron_rl.envs.sandbox import SandboxConfig, probe_isolation, run_code
+others = [subprocess.Popen(["sleep", "60"]) for _ in range(40)]  # more than max_threads
+try:
+    flood = run_code({flood!r}, SandboxConfig(max_threads=16))
+    plain = run_code("import fractions; print(fractions.Fraction(2, 4))", SandboxConfig())
+finally:
+    for p in others:
+        p.kill()
+        p.wait()
+print(json.dumps([list(probe_isolation().layers), plain.observation(), plain.isolation,
+                  flood.observation()]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run as root: this suite is the non-root case")
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="no setpriv to start a non-root trainer")
+def test_a_trainer_that_is_not_root_keeps_its_uid_and_a_per_call_thread_bound():
+    """A trainer started as an unprivileged uid (this interpreter may lie under /root: the
+    system's Python runs it, the repository read by that uid) gets every layer, and its
+    sandbox's thread bound counts the call's threads, not the 40 other processes of its uid."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for a non-root trainer")
+    cmd = ["setpriv", f"--reuid={NOT_ROOT_UID}", f"--regid={NOT_ROOT_UID}", "--clear-groups",
+           python, "-I", "-c", NOT_ROOT_SCRIPT.format(repo=str(REPO), flood=HOOK_OFF + dedent(FLOOD))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    if "Permission denied" in proc.stderr and proc.returncode != 0:
+        pytest.skip(f"the repository is not readable by uid {NOT_ROOT_UID}: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    layers, plain, isolation, flood = json.loads(proc.stdout.splitlines()[-1])
+    assert layers == ["uid", "namespaces", "landlock", "seccomp"]
+    assert (plain, isolation) == ("1/2", "uid+namespaces+landlock+seccomp+audit_hook")
+    assert flood == "made 15"
