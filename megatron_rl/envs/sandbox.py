@@ -75,16 +75,17 @@ Where the design (docs/design/tools.md §3.5) was changed for this machine:
 - `max_processes` other than 0 is refused: seccomp cannot count processes.
 
 Measured on this machine (Firecracker VM, kernel 6.18, Debian 12, Python 3.11.7 from pyenv
-under /root, 2 cores), as root: user namespaces work (`unshare -rn true`), Landlock ABI 7,
+under /root, 2 cores), as root and (the same results but the uid) as uid 54321 with the
+system's Python: user namespaces work (`unshare -rn true`), Landlock ABI 7,
 libseccomp 2.5.4; `probe_isolation` finds network, files and processes isolated by all four
 layers (TCP and UDP connect -> EPERM from seccomp, or ENETUNREACH from the namespace alone; a
-world-readable file outside DIR -> EACCES from Landlock; fork -> EPERM), the child at uid
+world-readable file outside DIR -> EACCES from Landlock; fork -> EPERM), root's child at uid
 65534 in /proc. A trivial call takes about 50 ms. RLIMIT_AS counts virtual memory: `import
-numpy` needs >= 128 MiB, `import numpy, sympy` >= 192 MiB (threads at 1); each Python thread
-reserves its stack and, once it allocates, a 64 MiB malloc arena, so at the default 1 GiB
-about 20 `threading` threads fit before `max_threads` (threads with small stacks through
-ctypes reach it exactly); `print("x" * 10**9)` needs ~2 GiB (the string and its UTF-8 copy),
-so at the default 1 GiB it is a MemoryError.
+numpy` needs >= 128 MiB, `import numpy, sympy` >= 192 MiB (threads at 1); a `threading`
+thread reserves an 8 MiB stack and maybe a 64 MiB malloc arena, so at the default 1 GiB
+`threading` stops at 21 threads, before `max_threads` (threads with small stacks through
+ctypes reach `max_threads` exactly); `print("x" * 10**9)` needs ~2 GiB (the string and its
+UTF-8 copy), so at the default 1 GiB it is a MemoryError.
 
 The design's `python -I -m megatron_rl.envs.sandbox_child` is run by path instead: the child
 imports nothing of the package, and `-I` would not see a repository that is not installed.
