@@ -154,7 +154,7 @@ class SandboxConfig:
     isolation: str = "strict"
     """"strict": refuse to run unless all four kernel layers apply (`KERNEL_LAYERS`: an
     unprivileged uid, a user namespace, Landlock, seccomp) and the probe finds network, files
-    and processes isolated;
+    and processes isolated and threads bounded;
     "best_effort": run under whatever layers the kernel allows (maybe only the audit hook: no
     boundary)."""
     error_lines: int = 1
@@ -235,6 +235,8 @@ class IsolationReport:
     """A file outside DIR cannot be read (Landlock)."""
     processes: bool
     """fork is refused by the kernel (seccomp)."""
+    threads: bool
+    """Threads stop at `max_threads` (RLIMIT_NPROC binds: the uid is not root)."""
     layers: tuple[str, ...]
     """The kernel layers that applied: "uid", "namespaces", "landlock", "seccomp"."""
     details: str
@@ -258,17 +260,19 @@ def _probe_report(raw: dict) -> IsolationReport:
         details.append(
             f"the sandbox is unusable: stdlib import {raw['stdlib']}, write {checks['write_inside']}"
         )
+    details.append(f"threads: {raw['threads']} ran, max_threads {raw['max_threads']}")
     return IsolationReport(
         network=usable and refused["tcp"] and refused["udp"],
         files=usable and refused["read_outside"],
         processes=usable and refused["fork"],
+        threads=usable and raw["threads"] == raw["max_threads"],
         layers=tuple(raw["layers"]),
         details="; ".join(details),
     )  # fmt: skip
 
 
 def _run_probe() -> IsolationReport:
-    nothing = IsolationReport(False, False, False, (), "")
+    nothing = IsolationReport(False, False, False, False, (), "")
     if not sys.platform.startswith("linux"):
         return IsolationReport(**{**nothing.__dict__, "details": f"not Linux ({sys.platform})"})
     top = tempfile.mkdtemp(prefix="sandbox-probe-")
@@ -304,16 +308,18 @@ def probe_isolation() -> IsolationReport:
 
 def check_isolation(config: SandboxConfig) -> IsolationReport:
     """The probe's report; raises `SandboxUnavailable` when `config` is strict and a kernel
-    layer is missing or the probe found network, files or processes reachable. Call before
+    layer is missing or the probe found network, files or processes reachable or threads
+    unbounded. Call before
     any model is loaded."""
     report = probe_isolation()
     missing = [layer for layer in KERNEL_LAYERS if layer not in report.layers]
-    isolated = report.network and report.files and report.processes
+    isolated = report.network and report.files and report.processes and report.threads
     if config.isolation == "strict" and (missing or not isolated):
         raise SandboxUnavailable(
             f"sandbox: isolation 'strict' needs every kernel layer ({', '.join(KERNEL_LAYERS)}) "
             f"and this machine lacks {', '.join(missing) or 'none'}, isolating "
-            f"network={report.network}, files={report.files}, processes={report.processes} "
+            f"network={report.network}, files={report.files}, processes={report.processes}, "
+            f"threads={report.threads} "
             f"({report.details}). Set `isolation: best_effort` to run under the layers there "
             f"are (or the audit hook only: clear messages, no security boundary), or use a "
             f"sandbox service (SandboxFusion, gVisor)."

@@ -30,8 +30,8 @@ writes a refusal there instead and exits without running anything.
 
 `--probe DIR OUTSIDE_FILE LIMITS_JSON` applies layers 2-6 (LIMITS_JSON: `run_as_uid`,
 `max_threads`) and checks, from inside, what they actually stop (a TCP and a UDP connection,
-reading OUTSIDE_FILE, a fork) and that the standard library still imports; it prints a JSON
-report on stdout (read by `sandbox.probe_isolation`).
+reading OUTSIDE_FILE, a fork, the thread past `max_threads`) and that the standard library
+still imports; it prints a JSON report on stdout (read by `sandbox.probe_isolation`).
 """
 
 from __future__ import annotations
@@ -648,6 +648,25 @@ def _tcp_refused() -> str | None:
     return None if why and "Connection refused" in why else why
 
 
+def _threads_until_refused(most: int) -> int:
+    """Threads (the main one included) this process reaches before a start is refused, up to
+    `most` (small stacks: the address-space limit is not what stops them)."""
+    import threading
+
+    threading.stack_size(65536)
+    gate, started = threading.Event(), 1
+    try:
+        while started < most:
+            threading.Thread(target=gate.wait, daemon=True).start()
+            started += 1
+    except RuntimeError:  # "can't start new thread": EAGAIN from clone
+        pass
+    finally:
+        gate.set()
+        threading.stack_size(0)
+    return started
+
+
 def _fork() -> None:
     pid = os.fork()
     if pid == 0:
@@ -674,8 +693,10 @@ def probe_main(workdir: str, outside_file: str, config: dict) -> None:
         stdlib = None
     except Exception as e:  # noqa: BLE001
         stdlib = f"{type(e).__name__}: {e}"
+    threads = _threads_until_refused(config["max_threads"] + 8)
     print(json.dumps({"layers": layers, "missing": missing, "checks": checks, "stdlib": stdlib,
-                      "landlock_abi": landlock_abi()}))  # fmt: skip
+                      "landlock_abi": landlock_abi(), "threads": threads,
+                      "max_threads": config["max_threads"]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -330,12 +330,12 @@ def test_kernel_layers_are_used_where_the_kernel_allows_them(record_property):
         assert "namespaces" in result.isolation.split("+")
     # This machine (the project's target) has all three; any kernel layer must be present.
     assert {"namespaces", "landlock", "seccomp"} & set(result.isolation.split("+"))
-    assert report.network and report.files and report.processes, report.details
+    assert report.network and report.files and report.processes and report.threads, report.details
     assert set(result.isolation.split("+")) >= {*report.layers, "audit_hook"}
 
 
 def test_strict_refuses_without_kernel_isolation(monkeypatch):
-    nothing = IsolationReport(False, False, False, (), "the probe was told nothing works")
+    nothing = IsolationReport(False, False, False, False, (), "the probe was told nothing works")
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: nothing)
     with pytest.raises(SandboxUnavailable, match="best_effort"):
         check_isolation(SandboxConfig())
@@ -355,7 +355,7 @@ def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers
     namespace the child holds root's capabilities over host files, without seccomp a process
     leaves the group kill, without Landlock files are open, without the uid drop a root
     trainer's child passes every same-uid check and is bound by no RLIMIT_NPROC."""
-    report = IsolationReport(True, True, "seccomp" in layers, layers, "")
+    report = IsolationReport(True, True, "seccomp" in layers, "uid" in layers, layers, "")
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: report)
     with pytest.raises(SandboxUnavailable, match=f"lacks {lacks}, isolating network=True"):
         run_code("print(1)", SandboxConfig())
