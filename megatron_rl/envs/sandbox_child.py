@@ -160,9 +160,9 @@ def drop_privileges(workdir: str, uid: int, parent_pid: int) -> str | None:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         except OSError as e:
-            return f"dropping to uid {uid}: {e}"
+            return f"dropping to run_as_uid={uid} (mapped here? /proc/self/uid_map): {e}"
         if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
-            return f"dropping to uid {uid}: still {os.getresuid()} / {os.getresgid()}"
+            return f"dropping to run_as_uid={uid}: still {os.getresuid()} / {os.getresgid()}"
         # A credential change clears the parent-death signal: set it again, then make sure
         # the parent did not die in between (no signal would come).
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -361,6 +361,24 @@ def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers
         run_code("print(1)", SandboxConfig())
 
 
+@pytest.mark.skipif(not unshare_works(), reason="no unprivileged user namespaces")
+def test_strict_refuses_a_root_that_cannot_drop_to_run_as_uid():
+    """uid 0 of a user namespace where only 0 is mapped (a rootless container's root): the
+    drop to `run_as_uid` fails, and strict refuses naming it; best_effort runs without it."""
+    script = (
+        "from megatron_rl.envs.sandbox import SandboxConfig, run_code\n"
+        "try:\n    run_code('print(1)', SandboxConfig())\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+        "print(run_code('print(1)', SandboxConfig(isolation='best_effort')).isolation)\n"
+    )
+    proc = subprocess.run(["unshare", "-r", sys.executable, "-c", script], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    refusal, best_effort = proc.stdout.splitlines()
+    assert refusal.startswith("SandboxUnavailable"), proc.stdout + proc.stderr
+    assert "lacks uid," in refusal and "dropping to run_as_uid=65534" in refusal
+    assert best_effort == "namespaces+landlock+seccomp+audit_hook"
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("timeout_s", 0), ("timeout_s", float("nan")), ("memory_limit_mb", 8),
