@@ -614,3 +614,28 @@ def test_no_link_out_of_its_folder_is_written_through(open_dir):
     assert os.stat(open_dir / "canary").st_nlink == 1
     assert list((open_dir / "d").iterdir()) == []
     assert "open_symlink -1" in out and "open_link -1" in out and "create_through -1" in out, out
+
+
+# ---------------------------------------------------------------------------- other sandboxes
+
+
+def test_no_sandbox_reaches_another(open_dir):
+    """Two calls at once share `run_as_uid` (and a non-root trainer's uid), so the kernel's
+    same-uid checks pass between them: the second neither kills, traces nor reads the
+    first, nor opens its folder's file; the first ends normally, its file intact."""
+    with paused('open("mine", "w").write("sandbox secret")', open_dir) as (pid, workdir, _):
+        mine = f"{workdir}/mine".encode()
+        out = attack(f"""
+            report("kill", libc.kill({pid}, 9))
+            report("attach", libc.ptrace(16, {pid}, None, None))
+            for path in ({mine!r}, b"/proc/{pid}/environ", b"/proc/{pid}/mem"):
+                fd = libc.open(path, 2 if path == {mine!r} else 0)
+                report("open", fd)
+                if fd >= 0:
+                    print(__import__("os").read(fd, 64))
+        """)
+        assert proc_status(pid)["State"].split()[0] in ("S", "R")
+        assert proc_status(pid)["TracerPid"].strip() == "0"
+        assert Path(workdir, "mine").read_text() == "sandbox secret"
+    assert "sandbox secret" not in out
+    assert out.count(" -1 ") == 5, out
