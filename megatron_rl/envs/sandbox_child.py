@@ -48,6 +48,7 @@ import socket
 import stat
 import sys
 import sysconfig
+import threading
 import traceback
 import types
 
@@ -651,8 +652,6 @@ def _tcp_refused() -> str | None:
 def _threads_until_refused(most: int) -> int:
     """Threads (the main one included) this process reaches before a start is refused, up to
     `most` (small stacks: the address-space limit is not what stops them)."""
-    import threading
-
     threading.stack_size(65536)
     gate, started = threading.Event(), 1
     try:
