@@ -12,25 +12,56 @@ The child restricts itself before running anything (`sandbox_child.py`; no `pree
 is unsafe in the threaded trainer). What each layer gives, and what it does not:
 - always: rlimits (CPU, address space = `memory_limit_mb`, 16 MiB files, 64 open files, no
   core), `PR_SET_PDEATHSIG` (a killed trainer takes its sandboxes with it), a new session.
+- `uid`: a trainer running as root has its child drop to `run_as_uid` (65534, `nobody`, by
+  default; gid the same, no supplementary group) before anything else, so the kernel's own
+  checks on processes and files (signals, /proc, ptrace, priorities, RLIMIT_NPROC, a file's
+  owner bits) see an unprivileged user; PDEATHSIG is set again after the change (the kernel
+  clears it) and the parent checked alive. A trainer that is not root is unprivileged
+  already: its child keeps its uid (nothing else changes). Either way the child then joins a
+  fresh session keyring, so no key of the caller's is reachable even by its id.
+  What root could reach and the new uid cannot by path (the interpreter under /root, 0700,
+  with pyenv; DIR under pytest's 0700 tmp_path) is opened by the child while still root and
+  reached through those descriptors: Landlock's rules are made from them, `sys.path` entries
+  (and the `__path__` of packages already imported) become `/proc/self/fd/N`, HOME and
+  TMPDIR become `/proc/self/cwd`. The kernel resolves these links without searching the
+  folders above; what may be read is still Landlock's decision. DIR is given to the uid by
+  the child (chown, as root, before the drop). Tracebacks through standard-library frames
+  then lack their source lines (their files' recorded paths are not reachable).
 - `namespaces`: an unprivileged user + network + IPC namespace. The network is empty (no
-  interface up, loopback included); the host's uids are unmapped inside, so even a sandbox
-  started by root has no capability over host files or processes. Files stay visible.
+  interface up, loopback included); the host's uids are unmapped inside, so the child has no
+  capability over host files or processes; the host's SysV and POSIX IPC objects are not
+  visible. Files stay visible. Then the thread bound: RLIMIT_NPROC = `max_threads`, set inside
+  the namespace (below).
 - `landlock`: files: read-only the interpreter's stdlib and site-packages and the system
   libraries, read-write DIR, nothing else, no execve; TCP bind/connect refused (ABI >= 4);
   no signals or abstract sockets beyond the sandbox (ABI >= 6).
 - `seccomp` (libseccomp via ctypes, after no_new_privs): no new process (fork, vfork, clone
   without CLONE_THREAD, clone3 -> ENOSYS so glibc falls back to clone); no socket (a unix
   socket reaches host listeners by path); no io_uring, no ptrace; nothing on another process
-  (prlimit, priority, affinity, scheduler, I/O priority: the trainer's uid would pass); no
-  metadata change of any file (chmod / chown / utime / xattr families: Landlock does not see
-  them); no keyring. Threads still work.
+  (prlimit, priority, affinity, scheduler, I/O priority: a same-uid check would pass for a
+  trainer that is not root); no metadata change of any file (chmod / chown / utime / xattr
+  families: Landlock does not see them); no keyring. Threads still work, up to the bound.
 - `audit_hook` (always, on top): a `sys.addaudithook` guard that turns the same attempts into
   one-line `PermissionError: sandbox: ...` observations. It is NOT a security boundary
   (PEP 578: code can reach around it through objects in memory). Each kernel layer covers
-  what the others cannot (without the namespace the child keeps root's capabilities over
-  host files; without seccomp a process can leave the group kill; without Landlock files are
-  open), so `isolation: strict` (the default) refuses to run unless all three apply, naming
-  the missing ones, and `best_effort` must be chosen explicitly. For untrusted models at scale use a service (SandboxFusion, gVisor).
+  what the others cannot (a root child keeps the trainer's uid for every same-uid check and
+  is bound by no RLIMIT_NPROC; without the namespace the network and the host's IPC are
+  reachable; without seccomp a process can leave the group kill; without Landlock files are
+  open), so `isolation: strict` (the default) refuses to run unless all four apply
+  (`KERNEL_LAYERS`), naming the missing ones, and `best_effort` must be chosen explicitly.
+  For untrusted models at scale use a service (SandboxFusion, gVisor). The threat model
+  (what is promised, on which kernels, what is not) is in docs/tools.md.
+
+The thread bound. RLIMIT_NPROC counts tasks (threads too) of a uid, and does not bind uid 0:
+hence the drop first. Set inside the child's own user namespace it binds per call: since
+Linux 5.14 the kernel counts it per (user namespace, uid) and checks each level up to the
+host's, where the limit is the one the namespace was created with (the trainer's); so
+concurrent sandboxes under one uid, or a non-root trainer's own processes, do not share it
+(tested: two floods at once stop at `max_threads` each). Older kernels count it per uid on the
+host: a non-root trainer's sandboxes would then share it with the trainer. A pids cgroup was
+not used: this machine has cgroup v1 (the pids controller is there; the unified hierarchy has
+no controller), and on a cluster node the trainer's cgroup is seldom delegated to it (a cgroup
+v2 child needs write access and, by the no-internal-process rule, a parent without processes).
 
 Where the design (docs/design/tools.md §3.5) was changed for this machine:
 - No pid namespace. Its pid 1 must be a forked child of the sandbox process; when the parent
@@ -41,17 +72,20 @@ Where the design (docs/design/tools.md §3.5) was changed for this machine:
   created around it and then `setsid` would escape the group kill: stated, not handled.
 - No mount namespace or `pivot_root`: Landlock confines files more cheaply; where it is
   missing, `files` is False and `strict` refuses.
-- No RLIMIT_NPROC: root ignores it and it counts every process of the uid (the trainer's too).
 - `max_processes` other than 0 is refused: seccomp cannot count processes.
 
-Measured on this machine (Firecracker VM, kernel 6.18, Debian 12, Python 3.11.7, 2 cores), as
-root and as `nobody` (system Python, the probe only): user namespaces work (`unshare -rn true`),
-Landlock ABI 7, libseccomp 2.5.4; `probe_isolation` finds network, files and processes isolated
-by all three kernel layers (TCP and UDP connect -> EPERM from seccomp, or ENETUNREACH from the
-namespace alone; a read outside DIR -> EACCES from Landlock; fork -> EPERM). A trivial call
-takes about 40 ms. RLIMIT_AS counts virtual memory: `import numpy` needs >= 128 MiB,
-`import numpy, sympy` >= 192 MiB (threads at 1); `print("x" * 10**9)` needs ~2 GiB (the string
-and its UTF-8 copy), so at the default 1 GiB it is a MemoryError.
+Measured on this machine (Firecracker VM, kernel 6.18, Debian 12, Python 3.11.7 from pyenv
+under /root, 2 cores), as root and (the same results but the uid) as uid 54321 with the
+system's Python: user namespaces work (`unshare -rn true`), Landlock ABI 7,
+libseccomp 2.5.4; `probe_isolation` finds network, files and processes isolated by all four
+layers (TCP and UDP connect -> EPERM from seccomp, or ENETUNREACH from the namespace alone; a
+world-readable file outside DIR -> EACCES from Landlock; fork -> EPERM), root's child at uid
+65534 in /proc. A trivial call takes about 50 ms. RLIMIT_AS counts virtual memory: `import
+numpy` needs >= 128 MiB, `import numpy, sympy` >= 192 MiB (threads at 1); a `threading`
+thread reserves an 8 MiB stack and maybe a 64 MiB malloc arena, so at the default 1 GiB
+`threading` stops at 21 threads, before `max_threads` (threads with small stacks through
+ctypes reach `max_threads` exactly); `print("x" * 10**9)` needs ~2 GiB (the string and its
+UTF-8 copy), so at the default 1 GiB it is a MemoryError.
 
 The design's `python -I -m megatron_rl.envs.sandbox_child` is run by path instead: the child
 imports nothing of the package, and `-I` would not see a repository that is not installed.
@@ -88,8 +122,9 @@ REAP_TIMEOUT_S = 5.0
 PROBE_TIMEOUT_S = 30.0
 
 
-KERNEL_LAYERS = ("namespaces", "landlock", "seccomp")
-"""The kernel layers `isolation: strict` needs, every one (the module docstring)."""
+KERNEL_LAYERS = ("uid", "namespaces", "landlock", "seccomp")
+"""The kernel layers `isolation: strict` needs, every one (the module docstring). "uid": the
+child's kernel uid is not root (dropped to `run_as_uid`, or the trainer's own)."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -108,9 +143,18 @@ class SandboxConfig:
     """stdout + stderr read from the child; past it the process group is killed."""
     max_processes: int = 0
     """Processes a call may start. Only 0 (refused by seccomp and the hook) is supported."""
+    max_threads: int = 64
+    """Threads a call may have, its main thread included (RLIMIT_NPROC inside its own user
+    namespace: counted per call, not per uid). Python's `threading`, numpy and sympy need a
+    few (the math libraries are told to use one thread); a thread flood stops here."""
+    run_as_uid: int = 65534
+    """When the trainer runs as root: the kernel uid and gid the child drops to before its
+    user namespace (65534, `nobody`, by default; one that owns nothing on the host). A
+    trainer that is not root is already unprivileged: its sandboxes keep its uid."""
     isolation: str = "strict"
-    """"strict": refuse to run unless all three kernel layers apply (`KERNEL_LAYERS`: user
-    namespace, Landlock, seccomp) and the probe finds network, files and processes isolated;
+    """"strict": refuse to run unless all four kernel layers apply (`KERNEL_LAYERS`: an
+    unprivileged uid, a user namespace, Landlock, seccomp) and the probe finds network, files
+    and processes isolated and threads bounded;
     "best_effort": run under whatever layers the kernel allows (maybe only the audit hook: no
     boundary)."""
     error_lines: int = 1
@@ -130,6 +174,10 @@ class SandboxConfig:
              "an int >= 1024"),
             ("max_processes", self.max_processes == 0,
              "0: the sandbox refuses every new process, other counts are not supported"),
+            ("max_threads", is_int(self.max_threads) and 1 <= self.max_threads <= 4096,
+             "an int in [1, 4096]"),
+            ("run_as_uid", is_int(self.run_as_uid) and 1 <= self.run_as_uid < 2**32 - 1
+             and self.run_as_uid != 65535, "a uid >= 1, not 65535 or 2**32 - 1 (not root)"),
             ("isolation", self.isolation in ("strict", "best_effort"), "'strict' or 'best_effort'"),
             ("error_lines", is_int(self.error_lines) and self.error_lines >= 1, "an int >= 1"),
         )  # fmt: skip
@@ -187,8 +235,10 @@ class IsolationReport:
     """A file outside DIR cannot be read (Landlock)."""
     processes: bool
     """fork is refused by the kernel (seccomp)."""
+    threads: bool
+    """Threads stop at `max_threads` (RLIMIT_NPROC binds: the uid is not root)."""
     layers: tuple[str, ...]
-    """The kernel layers that applied: "namespaces", "landlock", "seccomp"."""
+    """The kernel layers that applied: "uid", "namespaces", "landlock", "seccomp"."""
     details: str
     """The probe's findings, one clause per layer and per check."""
 
@@ -210,17 +260,19 @@ def _probe_report(raw: dict) -> IsolationReport:
         details.append(
             f"the sandbox is unusable: stdlib import {raw['stdlib']}, write {checks['write_inside']}"
         )
+    details.append(f"threads: {raw['threads']} ran, max_threads {raw['max_threads']}")
     return IsolationReport(
         network=usable and refused["tcp"] and refused["udp"],
         files=usable and refused["read_outside"],
         processes=usable and refused["fork"],
+        threads=usable and raw["threads"] == raw["max_threads"],
         layers=tuple(raw["layers"]),
         details="; ".join(details),
     )  # fmt: skip
 
 
 def _run_probe() -> IsolationReport:
-    nothing = IsolationReport(False, False, False, (), "")
+    nothing = IsolationReport(False, False, False, False, (), "")
     if not sys.platform.startswith("linux"):
         return IsolationReport(**{**nothing.__dict__, "details": f"not Linux ({sys.platform})"})
     top = tempfile.mkdtemp(prefix="sandbox-probe-")
@@ -228,8 +280,13 @@ def _run_probe() -> IsolationReport:
         workdir, outside = os.path.join(top, "dir"), os.path.join(top, "outside.txt")
         os.mkdir(workdir)
         Path(outside).write_text("outside\n")
+        # Readable by any uid: what keeps it from the probe is Landlock, not the file's mode.
+        os.chmod(top, 0o755)
+        os.chmod(outside, 0o644)
+        limits = {"run_as_uid": SandboxConfig.run_as_uid, "max_threads": SandboxConfig.max_threads}
         proc = subprocess.run(
-            [sys.executable, "-I", "-B", str(CHILD_SCRIPT), "--probe", workdir, outside],
+            [sys.executable, "-I", "-B", str(CHILD_SCRIPT), "--probe", workdir, outside,
+             json.dumps(limits)],
             cwd=workdir, env=_child_env(workdir), stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, start_new_session=True,
         )  # fmt: skip
@@ -251,16 +308,18 @@ def probe_isolation() -> IsolationReport:
 
 def check_isolation(config: SandboxConfig) -> IsolationReport:
     """The probe's report; raises `SandboxUnavailable` when `config` is strict and a kernel
-    layer is missing or the probe found network, files or processes reachable. Call before
+    layer is missing or the probe found network, files or processes reachable or threads
+    unbounded. Call before
     any model is loaded."""
     report = probe_isolation()
     missing = [layer for layer in KERNEL_LAYERS if layer not in report.layers]
-    isolated = report.network and report.files and report.processes
+    isolated = report.network and report.files and report.processes and report.threads
     if config.isolation == "strict" and (missing or not isolated):
         raise SandboxUnavailable(
             f"sandbox: isolation 'strict' needs every kernel layer ({', '.join(KERNEL_LAYERS)}) "
             f"and this machine lacks {', '.join(missing) or 'none'}, isolating "
-            f"network={report.network}, files={report.files}, processes={report.processes} "
+            f"network={report.network}, files={report.files}, processes={report.processes}, "
+            f"threads={report.threads} "
             f"({report.details}). Set `isolation: best_effort` to run under the layers there "
             f"are (or the audit hook only: clear messages, no security boundary), or use a "
             f"sandbox service (SandboxFusion, gVisor)."
@@ -389,7 +448,8 @@ def _status(stop: str, returncode: int | None) -> tuple[str, str]:
 def _run_in(workdir: str, code: str, config: SandboxConfig) -> SandboxResult:
     Path(workdir, CODE_FILE).write_text(code, encoding="utf-8", errors="surrogateescape")
     child_config = {"timeout_s": config.timeout_s, "memory_limit_mb": config.memory_limit_mb,
-                    "isolation": config.isolation, "parent_pid": os.getpid()}  # fmt: skip
+                    "isolation": config.isolation, "parent_pid": os.getpid(),
+                    "run_as_uid": config.run_as_uid, "max_threads": config.max_threads}  # fmt: skip
     status_r, status_w = os.pipe()
     start = time.monotonic()
     deadline = start + config.timeout_s

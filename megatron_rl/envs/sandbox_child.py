@@ -7,23 +7,31 @@ read). It imports nothing from `megatron_rl`, only the standard library, for the
 The restrictions are applied by the child to itself, in this order, before any user code:
 1. `PR_SET_PDEATHSIG` SIGKILL (dies with the thread that started it), job signals ignored;
 2. rlimits: CPU, address space, file size, open files, no core files;
-3. `unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC)`: an empty network namespace (no
-   interface is up, not even loopback) and no capability over the host's files or processes;
-4. Landlock: read-only access to the interpreter's files and the system libraries, read-write
-   access to DIR, nothing else; no TCP bind/connect (ABI >= 4); no signals to processes
-   outside the sandbox (ABI >= 6);
-5. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket, no
+3. the uid: as root, the paths it will need opened (O_PATH), DIR given to `run_as_uid`, then
+   setgroups([]), setresgid, setresuid to it, PDEATHSIG set again (the change cleared it);
+   not root: the trainer's uid stays. Then a fresh session keyring (keyctl);
+4. `unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWIPC)`: an empty network namespace (no
+   interface is up, not even loopback), no capability over the host's files or processes,
+   none of the host's IPC objects; then RLIMIT_NPROC = `max_threads`, counted in this
+   namespace: this call's threads only;
+5. Landlock: read-only access to the interpreter's files and the system libraries, read-write
+   access to DIR, nothing else (rules made from the descriptors of step 3); no TCP
+   bind/connect (ABI >= 4); no signals or abstract sockets beyond the sandbox (ABI >= 6);
+6. seccomp: no new process (fork, vfork, clone without CLONE_THREAD, clone3), no socket, no
    io_uring, no ptrace, nothing on another process (limits, priority, CPUs, scheduling, I/O
    priority), no file metadata change (mode, owner, times, attributes), no keyring;
-6. an audit hook (PEP 578) that turns the same attempts into one-line
+   then the `sys.path` folders the new uid cannot search by path are reached through their
+   descriptors (`/proc/self/fd/N`), and DIR as HOME and TMPDIR through `/proc/self/cwd`;
+7. an audit hook (PEP 578) that turns the same attempts into one-line
    `PermissionError("sandbox: ...")` messages. It is not a security boundary.
-The layers the kernel granted (3-5, plus "audit_hook") are written to STATUS_FD as JSON before
+The layers the kernel granted (3-6, plus "audit_hook") are written to STATUS_FD as JSON before
 the code runs; with `isolation: strict` and a kernel layer that could not be applied the child
 writes a refusal there instead and exits without running anything.
 
-`--probe DIR OUTSIDE_FILE` applies layers 1-5 and checks, from inside, what they actually stop
-(a TCP and a UDP connection, reading OUTSIDE_FILE, a fork) and that the standard library still
-imports; it prints a JSON report on stdout (read by `sandbox.probe_isolation`).
+`--probe DIR OUTSIDE_FILE LIMITS_JSON` applies layers 2-6 (LIMITS_JSON: `run_as_uid`,
+`max_threads`) and checks, from inside, what they actually stop (a TCP and a UDP connection,
+reading OUTSIDE_FILE, a fork, the thread past `max_threads`) and that the standard library
+still imports; it prints a JSON report on stdout (read by `sandbox.probe_isolation`).
 """
 
 from __future__ import annotations
@@ -37,8 +45,10 @@ import os
 import resource
 import signal
 import socket
+import stat
 import sys
 import sysconfig
+import threading
 import traceback
 import types
 
@@ -52,6 +62,7 @@ CLONE_THREAD = 0x00010000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+KEYCTL_JOIN_SESSION_KEYRING = 1
 FSIZE_BYTES = 16 * 2**20
 NOFILE = 64
 
@@ -94,7 +105,8 @@ def die_with_parent(parent_pid: int) -> None:
 def set_limits(timeout_s: float, memory_limit_mb: int) -> None:
     """CPU one second past the wall limit (the parent's deadline comes first; this catches a
     parent that could not kill), address space, file size, open files, no core dumps.
-    RLIMIT_NPROC is not used: root ignores it and it counts every process of the uid."""
+    RLIMIT_NPROC (the thread bound) comes later, inside the user namespace
+    (`bound_threads`)."""
     limits = {
         resource.RLIMIT_CPU: math.ceil(timeout_s) + 1,
         resource.RLIMIT_AS: memory_limit_mb * 2**20,
@@ -120,7 +132,111 @@ def read_roots() -> list[str]:
     return seen
 
 
-# ---------------------------------------------------------------------------- 3: namespaces
+# ---------------------------------------------------------------------------- 3: the uid
+
+
+def open_paths(paths: list[str]) -> dict[str, int]:
+    """An O_PATH descriptor for each path, opened while the child may still be root: the
+    Landlock rules are made from them after the uid drop (the roots may lie under a folder
+    only root can search, e.g. a pyenv interpreter in /root)."""
+    fds = {}
+    for path in paths:
+        try:
+            fds[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return fds
+
+
+def drop_privileges(workdir: str, uid: int, parent_pid: int) -> str | None:
+    """As root: give DIR to `uid`, then become `uid` / gid `uid` with no supplementary
+    groups, so the kernel's own checks on other processes and files (signals, /proc,
+    ptrace, same-uid limits, RLIMIT_NPROC) see an unprivileged user. Not root (the trainer's
+    own uid is already unprivileged): nothing to do. Then a fresh session keyring, so no
+    key of the caller's is reachable even by its id. None if done, else why not."""
+    if os.geteuid() == 0:
+        try:
+            os.chown(workdir, uid, uid, follow_symlinks=False)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        except OSError as e:
+            return f"dropping to run_as_uid={uid} (mapped here? /proc/self/uid_map): {e}"
+        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (uid, uid, uid):
+            return f"dropping to run_as_uid={uid}: still {os.getresuid()} / {os.getresgid()}"
+        # A credential change clears the parent-death signal: set it again, then make sure
+        # the parent did not die in between (no signal would come).
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(137)
+    return join_fresh_keyring()
+
+
+def join_fresh_keyring() -> str | None:
+    """A new anonymous session keyring (keyctl JOIN_SESSION_KEYRING), before seccomp
+    forbids keyctl; None if done (or no keyring is reachable at all), else why not."""
+    number = _syscall_number("keyctl")
+    if number is None:
+        return None
+    if _syscall(number, ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        # No keyrings in this kernel, or keyctl refused to this process already (an outer
+        # seccomp filter, a container's): no key is reachable from here either way.
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):
+            return None
+        return f"keyctl(JOIN_SESSION_KEYRING): {_errno_text()}"
+    return None
+
+
+def _syscall_number(name: str) -> int | None:
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        return SYSCALL_NUMBERS.get(os.uname().machine, {}).get(name)
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    number = lib.seccomp_syscall_resolve_name(name.encode())
+    return number if number >= 0 else None
+
+
+SYSCALL_NUMBERS = {"x86_64": {"keyctl": 250}, "aarch64": {"keyctl": 219}}
+"""Where libseccomp is missing (best_effort): the numbers the fresh keyring needs."""
+
+
+def reach_unsearchable(fds: dict[str, int], workdir: str) -> None:
+    """After the drop: a `sys.path` folder this uid cannot search by its path (a pyenv
+    interpreter under /root, 0700) is reached through the descriptor opened as root
+    (`/proc/self/fd/N`, which the kernel resolves without searching the folders above);
+    the same for DIR as HOME and TMPDIR when its parents are closed (`/proc/self/cwd`).
+    Landlock still decides what may be read: the folder the link leads to."""
+    links = {}
+    for i, entry in enumerate(sys.path):
+        if entry in fds and not os.access(entry, os.R_OK | os.X_OK):
+            links[entry] = sys.path[i] = f"/proc/self/fd/{fds.pop(entry)}"
+    for fd in fds.values():
+        os.close(fd)
+    # Packages already imported (encodings, collections, ...) find their submodules through
+    # their own __path__, not sys.path.
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__path__", None)
+        if not isinstance(path, list):
+            continue
+        for i, folder in enumerate(path):
+            for entry, link in links.items():
+                if folder.startswith(entry + os.sep):
+                    path[i] = link + folder[len(entry) :]
+    if not os.access(workdir, os.W_OK | os.X_OK):
+        os.environ["HOME"] = os.environ["TMPDIR"] = "/proc/self/cwd"
+
+
+def bound_threads(max_threads: int) -> None:
+    """RLIMIT_NPROC, set inside the new user namespace: since Linux 5.14 the kernel counts
+    it per (user namespace, uid) and checks every level up to the host's, where the limit
+    is the one the namespace was created with (the trainer's). So it counts this call's
+    threads alone, not every process of the uid, however many sandboxes share it. It does
+    not bind uid 0 (`drop_privileges` comes first)."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (max_threads, max_threads))
+
+
+# ---------------------------------------------------------------------------- 4: namespaces
 
 
 def enter_namespaces() -> str | None:
@@ -133,7 +249,7 @@ def enter_namespaces() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------- 4: Landlock
+# ---------------------------------------------------------------------------- 5: Landlock
 
 LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
 LANDLOCK_CREATE_RULESET_VERSION = 1
@@ -186,22 +302,20 @@ def _handled_fs(abi: int) -> int:
     return handled
 
 
-def _allow(ruleset_fd: int, path: str, access: int) -> None:
-    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    try:
-        if not os.path.isdir(path):
-            access &= FILE_RIGHTS  # directory rights on a file are EINVAL
-        rule = _PathBeneath(access, fd)
-        if _syscall(LANDLOCK_ADD_RULE, ctypes.c_long(ruleset_fd), ctypes.c_long(LANDLOCK_RULE_PATH_BENEATH),
-                    ctypes.byref(rule), ctypes.c_long(0)) != 0:  # fmt: skip
-            raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): {_errno_text()}")
-    finally:
-        os.close(fd)
+def _allow(ruleset_fd: int, path: str, fd: int, access: int) -> None:
+    """A rule for `path`, given by `fd` (opened as root, `open_paths`)."""
+    if not stat.S_ISDIR(os.fstat(fd).st_mode):
+        access &= FILE_RIGHTS  # directory rights on a file are EINVAL
+    rule = _PathBeneath(access, fd)
+    if _syscall(LANDLOCK_ADD_RULE, ctypes.c_long(ruleset_fd), ctypes.c_long(LANDLOCK_RULE_PATH_BENEATH),
+                ctypes.byref(rule), ctypes.c_long(0)) != 0:  # fmt: skip
+        raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}): {_errno_text()}")
 
 
-def apply_landlock(workdir: str, roots: list[str]) -> tuple[int, str | None]:
-    """Restrict files to `roots` (read) and `workdir` (read-write, no execute); TCP and
-    signals beyond the sandbox where the ABI has them. Returns (ABI, None) or (ABI, why not)."""
+def apply_landlock(workdir: str, roots: list[str], fds: dict[str, int]) -> tuple[int, str | None]:
+    """Restrict files to `roots` (read) and `workdir` (read-write, no execute), each given by
+    its descriptor in `fds`; TCP and signals beyond the sandbox where the ABI has them.
+    Returns (ABI, None) or (ABI, why not)."""
     abi = landlock_abi()
     if abi < 1:
         return 0, f"Landlock not available: {_errno_text()}"
@@ -216,8 +330,11 @@ def apply_landlock(workdir: str, roots: list[str]) -> tuple[int, str | None]:
         return abi, f"landlock_create_ruleset: {_errno_text()}"
     try:
         for root in roots:
-            _allow(ruleset_fd, root, FS_READ_FILE | FS_READ_DIR)
-        _allow(ruleset_fd, workdir, handled & ~FS_EXECUTE)
+            if root in fds:
+                _allow(ruleset_fd, root, fds[root], FS_READ_FILE | FS_READ_DIR)
+        if workdir not in fds:
+            return abi, f"{workdir} could not be opened"
+        _allow(ruleset_fd, workdir, fds[workdir], handled & ~FS_EXECUTE)
         if _syscall(LANDLOCK_RESTRICT_SELF, ctypes.c_long(ruleset_fd), ctypes.c_long(0)) != 0:
             return abi, f"landlock_restrict_self: {_errno_text()}"
     except OSError as e:
@@ -227,7 +344,7 @@ def apply_landlock(workdir: str, roots: list[str]) -> tuple[int, str | None]:
     return abi, None
 
 
-# ---------------------------------------------------------------------------- 5: seccomp
+# ---------------------------------------------------------------------------- 6: seccomp
 
 SCMP_ACT_ALLOW = 0x7FFF0000
 SCMP_CMP_NE, SCMP_CMP_MASKED_EQ = 1, 7
@@ -344,28 +461,43 @@ def apply_seccomp(lib) -> str | None:
         lib.seccomp_release(ctx)
 
 
-def apply_kernel_layers(workdir: str) -> tuple[list[str], list[str]]:
-    """Layers 3-5, each as far as the kernel allows: (layers applied, why the others not)."""
+def apply_kernel_layers(workdir: str, config: dict) -> tuple[list[str], list[str]]:
+    """Layers 3-6, each as far as the kernel allows: (layers applied, why the others not).
+    `config`: `run_as_uid`, `max_threads`, `parent_pid`."""
     layers, missing = [], []
     # Landlock and an unprivileged seccomp filter both require no_new_privs.
     _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    # Both before Landlock: the library and realpath still see the whole tree.
+    # All before the uid drop and Landlock: the library and realpath still see the whole
+    # tree, and root opens what the new uid could not reach by path.
     roots = read_roots()
+    fds = open_paths([*roots, workdir])
+    path_fds = open_paths([p for p in sys.path if p and p not in fds and os.path.isdir(p)])
     try:
         seccomp = _load_libseccomp()
     except OSError as e:
         seccomp = f"libseccomp not loadable: {e}"
+
+    def namespaces() -> str | None:
+        why = enter_namespaces()
+        if why is None:
+            bound_threads(config["max_threads"])
+        return why
+
     for name, apply in (
-        ("namespaces", enter_namespaces),
-        ("landlock", lambda: apply_landlock(workdir, roots)[1]),
+        ("uid", lambda: drop_privileges(workdir, config["run_as_uid"], config["parent_pid"])),
+        ("namespaces", namespaces),
+        ("landlock", lambda: apply_landlock(workdir, roots, fds)[1]),
         ("seccomp", lambda: apply_seccomp(seccomp)),
     ):
         why = apply()
         (missing if why else layers).append(f"{name}: {why}" if why else name)
+    reach_unsearchable({**path_fds, **{p: fds.pop(p) for p in sys.path if p in fds}}, workdir)
+    for fd in fds.values():
+        os.close(fd)
     return layers, missing
 
 
-# ---------------------------------------------------------------------------- 6: audit hook
+# ---------------------------------------------------------------------------- 7: audit hook
 
 PROCESS_EVENTS = frozenset(
     {"os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.spawn", "os.system",
@@ -478,7 +610,7 @@ def child_main(workdir: str, status_fd: int, config: dict) -> None:
         code = f.read()
     os.remove(code_path)  # DIR is the code's own, empty directory
     roots = read_roots()
-    layers, missing = apply_kernel_layers(workdir)
+    layers, missing = apply_kernel_layers(workdir, config)
     with os.fdopen(status_fd, "w") as status:
         if config["isolation"] == "strict" and missing:  # strict: every layer (sandbox.py)
             json.dump({"refused": "; ".join(missing)}, status)
@@ -517,6 +649,23 @@ def _tcp_refused() -> str | None:
     return None if why and "Connection refused" in why else why
 
 
+def _threads_until_refused(most: int) -> int:
+    """Threads (the main one included) this process reaches before a start is refused, up to
+    `most` (small stacks: the address-space limit is not what stops them)."""
+    threading.stack_size(65536)
+    gate, started = threading.Event(), 1
+    try:
+        while started < most:
+            threading.Thread(target=gate.wait, daemon=True).start()
+            started += 1
+    except RuntimeError:  # "can't start new thread": EAGAIN from clone
+        pass
+    finally:
+        gate.set()
+        threading.stack_size(0)
+    return started
+
+
 def _fork() -> None:
     pid = os.fork()
     if pid == 0:
@@ -524,15 +673,16 @@ def _fork() -> None:
     os.waitpid(pid, 0)
 
 
-def probe_main(workdir: str, outside_file: str) -> None:
-    """Apply the kernel layers, then check what they stop; print the report as JSON."""
+def probe_main(workdir: str, outside_file: str, config: dict) -> None:
+    """Apply the kernel layers, then check what they stop; print the report as JSON.
+    `outside_file` is readable by anyone: only Landlock keeps it from the code."""
     set_limits(10.0, 1024)
-    layers, missing = apply_kernel_layers(workdir)
+    layers, missing = apply_kernel_layers(workdir, {**config, "parent_pid": os.getppid()})
     checks = {
         "tcp": _tcp_refused(),
         "udp": _refused(lambda: _connect(socket.SOCK_DGRAM)),
         "read_outside": _refused(lambda: open(outside_file).read()),
-        "write_inside": _refused(lambda: open(os.path.join(workdir, "w"), "w").write("x")),
+        "write_inside": _refused(lambda: open("w", "w").write("x")),  # cwd: DIR
         "fork": _refused(_fork),
     }
     try:
@@ -542,12 +692,14 @@ def probe_main(workdir: str, outside_file: str) -> None:
         stdlib = None
     except Exception as e:  # noqa: BLE001
         stdlib = f"{type(e).__name__}: {e}"
+    threads = _threads_until_refused(config["max_threads"] + 8)
     print(json.dumps({"layers": layers, "missing": missing, "checks": checks, "stdlib": stdlib,
-                      "landlock_abi": landlock_abi()}))  # fmt: skip
+                      "landlock_abi": landlock_abi(), "threads": threads,
+                      "max_threads": config["max_threads"]}))  # fmt: skip
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--probe":
-        probe_main(sys.argv[2], sys.argv[3])
+        probe_main(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
     else:
         child_main(sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]))

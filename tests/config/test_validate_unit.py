@@ -317,6 +317,12 @@ def test_multi_turn_rollouts_are_checked_against_what_they_are_built_for(
         ("rollout.multi_turn.max_turns=0", "max_turns must be >= 1"),
         ("rollout.multi_turn.env.type=gym", "type must be one of"),
         ("rollout.multi_turn.env.sandbox.memory_limit_mb=1", "memory_limit_mb"),
+        ("rollout.multi_turn.env.sandbox.max_threads=0", "SandboxConfig.max_threads"),
+        ("rollout.multi_turn.env.sandbox.run_as_uid=0", "SandboxConfig.run_as_uid"),
+        (
+            "rollout.multi_turn.env.sandbox.max_thread=8",
+            r"did you mean 'rollout.multi_turn.env.sandbox.max_threads'",
+        ),
     ],
 )
 def test_multi_turn_settings_are_refused_by_name(tiny_model_dir, override, message):

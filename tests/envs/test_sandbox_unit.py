@@ -5,6 +5,7 @@ assumed: a machine where `unshare -rn true` works must get namespaces)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from textwrap import dedent
 
 import pytest
 
@@ -28,6 +30,7 @@ from megatron_rl.envs.sandbox import (
     probe_isolation,
     run_code,
 )
+from tests.envs.test_sandbox_attacks_unit import FLOOD, HOOK_OFF
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 2.0
@@ -57,6 +60,10 @@ CASES = [
     ("no_output", "x = 1", "ok", "(no output)"),
     ("stdlib", "import math, fractions, itertools, json; print(math.comb(10, 3))", "ok", "120"),
     ("own_dir", "open('a.txt', 'w').write('kept'); print(open('a.txt').read())", "ok", "kept"),
+    # modules not loaded before the uid drop, from the stdlib, lib-dynload and site-packages
+    # (this machine's pyenv lies under /root, 0700: reached through the child's descriptors)
+    ("lazy_imports", "import decimal, encodings.idna, numpy\nprint(decimal.Decimal('0.1') + 1, "
+     "'x'.encode('idna'), numpy.arange(4).sum())", "ok", "1.1 b'x' 6"),
     ("threads", "import threading\nt = threading.Thread(target=print, args=('thread',))\n"
      "t.start(); t.join()", "ok", "thread"),
 ]  # fmt: skip
@@ -87,6 +94,20 @@ def test_write_outside_its_directory(tmp_path):
         result, "error", f"PermissionError: sandbox: {tmp_path}/x is outside its directory"
     )
     assert list(tmp_path.iterdir()) == []  # nothing written, and the call's own DIR removed
+
+
+def test_its_folder_under_a_closed_parent_is_home_and_temp(tmp_path):
+    """pytest's tmp_path lies under a 0700 folder of root's: a child that dropped to another
+    uid still writes its folder, by relative path and through HOME and TMPDIR."""
+    code = (
+        "import os, tempfile\n"
+        "with tempfile.NamedTemporaryFile('w', delete=False) as f: f.write('t')\n"
+        "open(os.path.join(os.environ['HOME'], 'h'), 'w').write('h')\n"
+        "print(sorted(os.listdir('.')) == sorted([os.path.basename(f.name), 'h']))"
+    )
+    result = run_code(code, CONFIG, workdir_parent=str(tmp_path))
+    assert_observation(result, "ok", "True")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_error_lines_keeps_the_traceback_end():
@@ -309,40 +330,102 @@ def test_kernel_layers_are_used_where_the_kernel_allows_them(record_property):
         assert "namespaces" in result.isolation.split("+")
     # This machine (the project's target) has all three; any kernel layer must be present.
     assert {"namespaces", "landlock", "seccomp"} & set(result.isolation.split("+"))
-    assert report.network and report.files and report.processes, report.details
+    assert report.network and report.files and report.processes and report.threads, report.details
     assert set(result.isolation.split("+")) >= {*report.layers, "audit_hook"}
 
 
 def test_strict_refuses_without_kernel_isolation(monkeypatch):
-    nothing = IsolationReport(False, False, False, (), "the probe was told nothing works")
+    nothing = IsolationReport(False, False, False, False, (), "the probe was told nothing works")
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: nothing)
     with pytest.raises(SandboxUnavailable, match="best_effort"):
         check_isolation(SandboxConfig())
-    with pytest.raises(SandboxUnavailable, match="lacks namespaces, landlock, seccomp"):
+    with pytest.raises(SandboxUnavailable, match="lacks uid, namespaces, landlock, seccomp"):
         run_code("print(1)", SandboxConfig())
     assert run_code("print(1)", SandboxConfig(isolation="best_effort")).observation() == "1"
 
 
 @pytest.mark.parametrize(
     ("layers", "lacks"),
-    [(("landlock",), "namespaces, seccomp"), (("namespaces", "landlock"), "seccomp"),
-     (("landlock", "seccomp"), "namespaces"), (("namespaces", "seccomp"), "landlock")],
+    [(("uid", "landlock"), "namespaces, seccomp"), (("uid", "namespaces", "landlock"), "seccomp"),
+     (("uid", "landlock", "seccomp"), "namespaces"), (("uid", "namespaces", "seccomp"), "landlock"),
+     (("namespaces", "landlock", "seccomp"), "uid")],
 )  # fmt: skip
 def test_strict_refuses_when_any_one_kernel_layer_is_missing(monkeypatch, layers, lacks):
     """Network and files isolated by the remaining layers is not enough: without the
     namespace the child holds root's capabilities over host files, without seccomp a process
-    leaves the group kill, without Landlock files are open."""
-    report = IsolationReport(True, True, "seccomp" in layers, layers, "")
+    leaves the group kill, without Landlock files are open, without the uid drop a root
+    trainer's child passes every same-uid check and is bound by no RLIMIT_NPROC."""
+    report = IsolationReport(True, True, "seccomp" in layers, "uid" in layers, layers, "")
     monkeypatch.setattr(sandbox, "probe_isolation", lambda: report)
     with pytest.raises(SandboxUnavailable, match=f"lacks {lacks}, isolating network=True"):
         run_code("print(1)", SandboxConfig())
 
 
+@pytest.mark.skipif(not unshare_works(), reason="no unprivileged user namespaces")
+def test_strict_refuses_a_root_that_cannot_drop_to_run_as_uid():
+    """uid 0 of a user namespace where only 0 is mapped (a rootless container's root): the
+    drop to `run_as_uid` fails, and strict refuses naming it; best_effort runs without it."""
+    script = (
+        "from megatron_rl.envs.sandbox import SandboxConfig, run_code\n"
+        "try:\n    run_code('print(1)', SandboxConfig())\n"
+        "except Exception as e:\n    print(type(e).__name__, e)\n"
+        "print(run_code('print(1)', SandboxConfig(isolation='best_effort')).isolation)\n"
+    )
+    proc = subprocess.run(["unshare", "-r", sys.executable, "-c", script], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    refusal, best_effort = proc.stdout.splitlines()
+    assert refusal.startswith("SandboxUnavailable"), proc.stdout + proc.stderr
+    assert "lacks uid," in refusal and "dropping to run_as_uid=65534" in refusal
+    assert best_effort == "namespaces+landlock+seccomp+audit_hook"
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("timeout_s", 0), ("timeout_s", float("nan")), ("memory_limit_mb", 8),
-     ("max_output_bytes", 10), ("max_processes", 2), ("isolation", "none"), ("error_lines", 0)],
+     ("max_output_bytes", 10), ("max_processes", 2), ("isolation", "none"), ("error_lines", 0),
+     ("max_threads", 0), ("max_threads", True), ("run_as_uid", 0), ("run_as_uid", 65535),
+     ("run_as_uid", -1)],
 )  # fmt: skip
 def test_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SandboxConfig.{field}: "):
         SandboxConfig(**{field: value})
+
+
+NOT_ROOT_UID = 54321
+"""A uid for the trainer-that-is-not-root test, owning nothing here."""
+NOT_ROOT_SCRIPT = """
+import json, subprocess, sys
+sys.path.insert(0, {repo!r})
+from megatron_rl.envs.sandbox import SandboxConfig, probe_isolation, run_code
+others = [subprocess.Popen(["sleep", "60"]) for _ in range(40)]  # more than max_threads
+try:
+    flood = run_code({flood!r}, SandboxConfig(max_threads=16))
+    plain = run_code("import fractions; print(fractions.Fraction(2, 4))", SandboxConfig())
+finally:
+    for p in others:
+        p.kill()
+        p.wait()
+print(json.dumps([list(probe_isolation().layers), plain.observation(), plain.isolation,
+                  flood.observation()]))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="run as root: this suite is the non-root case")
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="no setpriv to start a non-root trainer")
+def test_a_trainer_that_is_not_root_keeps_its_uid_and_a_per_call_thread_bound():
+    """A trainer started as an unprivileged uid (this interpreter may lie under /root: the
+    system's Python runs it, the repository read by that uid) gets every layer, and its
+    sandbox's thread bound counts the call's threads, not the 40 other processes of its uid."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python is None:
+        pytest.skip("no system python3 for a non-root trainer")
+    cmd = ["setpriv", f"--reuid={NOT_ROOT_UID}", f"--regid={NOT_ROOT_UID}", "--clear-groups",
+           python, "-I", "-c", NOT_ROOT_SCRIPT.format(repo=str(REPO), flood=HOOK_OFF + dedent(FLOOD))]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/")
+    if "Permission denied" in proc.stderr and proc.returncode != 0:
+        pytest.skip(f"the repository is not readable by uid {NOT_ROOT_UID}: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    layers, plain, isolation, flood = json.loads(proc.stdout.splitlines()[-1])
+    assert layers == ["uid", "namespaces", "landlock", "seccomp"]
+    assert (plain, isolation) == ("1/2", "uid+namespaces+landlock+seccomp+audit_hook")
+    assert flood == "made 15"
