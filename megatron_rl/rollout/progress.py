@@ -54,6 +54,10 @@ class GeneratedChunk:
     def finished(self) -> bool:
         return all(s.finish_reason != UNFINISHED for s in self.samples)
 
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
 
 @dataclass
 class RolloutProgress:
@@ -72,7 +76,7 @@ class RolloutProgress:
     @property
     def tokens(self) -> int:
         """Response tokens generated (environment blocks of multi-turn samples included)."""
-        return sum(len(s.token_ids) for c in self.chunks for s in c.samples)
+        return sum(c.tokens for c in self.chunks)
 
     @property
     def unfinished(self) -> int:

@@ -166,10 +166,10 @@ def generate_samples_with_rating(
     steps; without it a stop during generation waits for the chunk's generation.
     `refresh` goes to each engine call too (partial rollouts: `VLLMEngine.generate`).
 
-    A stop raises `RolloutStopped` with what the rollout generated: `stage` step `step`,
-    this share of `replicas`, started under policy `version`. `progress`: what an earlier run of this rollout generated
-    before a stop (`rollout/progress.py`): its chunks are taken in place of engine calls,
-    a cut one continued, so no token is generated twice.
+    A stop raises `RolloutStopped` with what the rollout generated (`stage` step `step`,
+    this share of `replicas`, started under policy `version`). `progress`: what an earlier
+    run of this rollout generated before a stop (`rollout/progress.py`): its chunks are
+    taken in place of engine calls, a cut one continued, so no token is generated twice.
     """
     in_engine = {} if stop_generation is None else {"should_stop": stop_generation}
     if refresh is not None:
@@ -184,11 +184,9 @@ def generate_samples_with_rating(
     kept: list[Group] = []
     inflight: deque[_Chunk] = deque()
     scored, timeline = [], []
-    num_chunks = dropped = generated = 0
+    num_chunks = dropped = generated = resumed_tokens = 0
     wait_s = 0.0
-
     generated_chunks: list[GeneratedChunk] = []
-    resumed_tokens = 0
 
     def so_far(*cut: GeneratedChunk) -> RolloutProgress:
         chunks = [*generated_chunks, *cut]
@@ -214,23 +212,13 @@ def generate_samples_with_rating(
                 ids = [p.prompt_token_ids for p in batch]
                 seeds = None if seed is None else chunk_seeds(seed, batch, num_chunks)
                 tasks = {"tasks": [Task(p.prompt, p.label) for p in batch]} if multi_turn else {}
-                saved = (
-                    None if progress is None else progress.saved_chunk(num_chunks, rows, sampling)
-                )
-                if saved is not None:
-                    resumed_tokens += sum(len(s.token_ids) for s in saved.samples)
-                if saved is not None and saved.finished:
+                saved = progress and progress.saved_chunk(num_chunks, rows, sampling)
+                resumed_tokens += saved.tokens if saved else 0
+                if saved and saved.finished:
                     samples = saved.samples
                 else:
-                    more = {} if saved is None else {"partial": saved.samples}
-                    try:
-                        samples = engine.generate(
-                            ids, sampling, seeds, **in_engine, **tasks, **more
-                        )
-                    except GenerationStopped as e:
-                        raise RolloutStopped(
-                            e.phase, so_far(GeneratedChunk(rows, e.samples))
-                        ) from e
+                    more = {"partial": saved.samples} if saved else {}
+                    samples = engine.generate(ids, sampling, seeds, **in_engine, **tasks, **more)
                 generated_chunks.append(GeneratedChunk(rows, samples))
                 timeline.append(("generate", num_chunks, t0, time.time()))
                 texts = response_texts(tokenizer, samples)
@@ -263,8 +251,8 @@ def generate_samples_with_rating(
                     kept.append(groups[index])
                 else:
                     dropped += 1
-    except RolloutStopped:
-        raise
+    except GenerationStopped as e:  # inside a chunk's generation: its responses so far
+        raise RolloutStopped(e.phase, so_far(GeneratedChunk(rows, e.samples))) from e
     except StepAborted as e:  # between chunks, or a scoring call cancelled
         raise RolloutStopped(e.phase, so_far()) from e
     metrics = check_failure_ratio(scored, config.max_failure_ratio)
