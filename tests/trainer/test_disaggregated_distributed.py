@@ -242,10 +242,10 @@ def test_partial_rollouts_take_pushes_inside_rounds_stop_and_resume(
     at its second engine check until the next push comes (`--push-inside-rounds`: a
     generation longer than an update, made deterministic). A stop between step 2's
     mini-batches, step 3's round waiting inside its generation: Shutdown is read there,
-    every rank exits 0, step 1 is saved. The resume regenerates step 2 with the weights it
-    trains (staleness 0, one version) and step 3 starts under step 2's weights and ends under
-    step 3's: staleness 1 and mixed-version responses, logged by share; evaluations at
-    their steps."""
+    every rank exits 0, step 1 is saved with step 2's round. The resume trains step 2 on that
+    round (staleness 1, mixed versions, as it was made) and step 3 starts under step 2's
+    weights and ends under step 3's: staleness 1 and mixed-version responses, logged by
+    share; evaluations at their steps."""
     run = tmp_path / "run"
     overrides = [
         "--config", "examples/tiny/ppo.yaml", f"trainer.output_dir={run}",
@@ -263,9 +263,13 @@ def test_partial_rollouts_take_pushes_inside_rounds_stop_and_resume(
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
     stop.unlink()
     run_torchrun("tests.torchrun.stop_in_phase", ["--push-inside-rounds", *overrides], timeout=400)
-    assert staleness(run) == [0, 0, 1]
+    # step 2 trains on the round the stop kept, as it was made: started under version 0,
+    # a push read inside it (its responses keep their versions)
+    assert staleness(run) == [0, 1, 1]
+    kept, took = kept_and_resumed(first, run, 2)
+    assert len(kept) == 1 and kept[0] > 0 and took == kept[0], first[-4000:]
     shares = [r["rollout/mixed_version_share"] for r in metrics(run)]
-    assert shares[:2] == [0.0, 0.0] and 0.0 < shares[2] <= 1.0, shares
+    assert shares[0] == 0.0 and 0.0 < shares[1] <= 1.0 and 0.0 < shares[2] <= 1.0, shares
     evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
     assert evals[-4:] == [2, 2, 3, 3], evals
 
