@@ -526,16 +526,18 @@ class RLTrainer:
                 print(slow, flush=True)
 
     def keep_rollout(self, checkpoint: Path) -> None:
-        """Write what this rank keeps of an aborted step's rollout into `checkpoint`."""
+        """Write what this rank keeps of an aborted step's rollout into `checkpoint` (the
+        save's temp directory, or the complete checkpoint of the step's start)."""
         kept = {r: p for r, p in self.step_rollout.items() if p.chunks}
         if not kept:
             return
         save_progress(checkpoint, kept)
+        name = checkpoint.name.removeprefix(".").removesuffix(".tmp")
         for replica, p in sorted(kept.items()):
             print(
                 f"kept {p.tokens} generated tokens of {p.stage} step {p.step + 1}'s rollout "
                 f"(replica {replica}: {len(p.chunks)} chunk(s), {p.unfinished} response(s) "
-                f"unfinished) with {checkpoint.name}",
+                f"unfinished) with {name}",
                 flush=True,
             )
 
