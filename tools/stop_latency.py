@@ -68,6 +68,13 @@ def main(argv=None) -> int:
         model = make_tiny_model(Path(tmp) / "tiny", TinyModelSpec())
         out = Path(tmp) / "run"
 
+        # the recipe's prompts (data.max_prompt_length 128) and the longer responses
+        longer = (
+            [f"rollout.max_new_tokens={a.max_new_tokens}",
+             f"rollout.max_model_len={128 + a.max_new_tokens}"]
+            if a.max_new_tokens else []
+        )  # fmt: skip
+
         def command(total_steps: int) -> list[str]:
             return [
                 sys.executable, "-m", "megatron_rl.launch", "--nproc-per-node=2",
@@ -78,7 +85,7 @@ def main(argv=None) -> int:
                 "trainer.eval_data_path=null",
                 f"rollout.rating={{strategy: plain, chunk_size: {a.chunk_size}}}",
                 'rewards.reward_fns=[{type: python, path: "tools.stop_latency:slow_parity"}]',
-                *([f"rollout.max_new_tokens={a.max_new_tokens}"] if a.max_new_tokens else []),
+                *longer,
             ]  # fmt: skip
 
         env = {**os.environ, DELAY_ENV: str(a.reward_delay_s), "OMP_NUM_THREADS": "1"}
