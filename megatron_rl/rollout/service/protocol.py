@@ -37,10 +37,12 @@ lets k >= 2 run without a push waiting for rounds ahead. Value pretraining (poli
 asks for one round at a time (`Generate`); evaluations ride on a push (or `Evaluate`).
 
 A stop request reaches both roles through the job's store: an engine aborts its round within
-a few engine steps and answers `aborted`, the trainers abort the step as colocated (its start
-is saved) and `close` receives what is due, then sends Shutdown. The data position the
-checkpoint keeps is the trainers' (each answer brings back where its draws ended): what was
-generated ahead is regenerated on resume.
+a few engine steps and answers `aborted` with what it generated (`Rated.progress`), the
+trainers abort the step as colocated (its start is saved, with the step's round as far as it
+got) and `close` receives what is due, then sends Shutdown. The data position the
+checkpoint keeps is the trainers' (each answer brings back where its draws ended); the kept
+round goes back to the engines with the first command after the resume (`saved`), and what
+was generated ahead of the aborted step is generated again.
 """
 
 from __future__ import annotations
