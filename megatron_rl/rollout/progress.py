@@ -5,19 +5,21 @@ A rollout is a sequence of engine calls (chunks, `rollout/rating.py`), each draw
 prompts from the stream and sampling `n` responses of each. `RolloutProgress` holds every
 chunk generated so far: its prompt rows and its responses, prompt-major; a chunk a stop cut
 holds the responses as far as they got (`Sample.finish_reason == UNFINISHED`: tokens,
-log-probs, policy-version segments so far). After the resume the step starts again from its
-saved start (same data position, same request seeds), and `generate_samples_with_rating`,
-given the progress, takes each saved chunk in place of its engine call: a finished chunk is
-used as it is, a cut one goes to the engine as `partial`, which continues only the
-unfinished responses. Scoring is not generation: the saved responses are scored again.
+log-probs, policy-version segments so far, the request's random state; routed experts come
+with the continuation, whose re-prefill routes the kept tokens again). After the resume the
+step starts again from its saved start (same data position, same request seeds), and
+`generate_samples_with_rating`, given the progress, takes each saved chunk in place of its
+engine call: a finished chunk is used as it is, a cut one goes to the engine as `partial`,
+which continues only the unfinished responses. Scoring is not generation: the saved
+responses are scored again.
 
 What equals an uninterrupted run: every response finished before the stop, token for token
-(same prompts, same seeds). A response the stop cut keeps its tokens; its continuation is
-sampled with its own `continuation_seed`, so from the cut on it differs from what the
-uninterrupted run sampled there (vLLM cannot restore a request's random state), and so do
-the scores and updates that read it. Multi-turn trajectories a stop cut are not continued
-(their environments' state lives in worker processes and is not saved): their chunk is
-generated again; the chunks before it are kept.
+(same prompts, same seeds), and every response the stop cut: its continuation gets back its
+request's random state (`rollout/sampler_state.py`), so it draws what the uncut request
+would have (up to kernel rounding between a prefill and a decode step; where vLLM's runner
+cannot be hooked it draws from its own `continuation_seed` instead). Multi-turn trajectories
+a stop cut are not continued (their environments' state lives in worker processes and is
+not saved): their chunk is generated again; the chunks before it are kept.
 
 Files: `<checkpoint>/rollout_progress/replica_00000.pt`, one per rollout replica (the
 model replicas colocated, the engine replicas disaggregated), each written whole (temp file,

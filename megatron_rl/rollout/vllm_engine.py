@@ -335,8 +335,11 @@ class VLLMEngine:
                 prompts, sampling, seeds, should_stop, refresh, partial
             )
             samples = self._response_samples(prompts, states)
-        if self.config.record_routes:
-            self._attach_routes(samples)
+            if partial is not None:  # what was given finished comes back as it was
+                done = [s.finish_reason != UNFINISHED for s in partial]
+                samples = [p if d else s for s, p, d in zip(samples, partial, done, strict=True)]
+        if self.config.record_routes:  # (a response `partial` gave finished has its own)
+            self._attach_routes([s for s in samples if s.routed_experts is None])
         return samples
 
     @staticmethod
@@ -536,9 +539,10 @@ class VLLMEngine:
                     self._read_sampler_states(current)
                     self._interrupt(current, self._ahead)
                     self._ahead = None
-                    raise GenerationStopped(
-                        "rollout/generate", self._response_samples(prompts, current.states)
-                    )
+                    samples = self._response_samples(prompts, current.states)
+                    if self.config.record_routes:  # a cut one's come with its continuation
+                        self._attach_routes([s for s in samples if s.finish_reason != UNFINISHED])
+                    raise GenerationStopped("rollout/generate", samples)
                 if refresh is not None:
                     self._refresh(current, sampling, refresh)
             if not self.llm.llm_engine.has_unfinished_requests():

@@ -74,3 +74,10 @@ def test_the_actor_replays_the_routes_the_engine_recorded(family_dir, tmp_path, 
     for name, grad in r["grads"].items():
         assert torch.equal(r["recomputed_grads"][name], grad), name
     assert max((r["free_grads"][k] - g).abs().max() for k, g in r["grads"].items()) > 1e-4
+    # A generation a stop cut, continued (`partial`): every token the uninterrupted call's,
+    # and every route (the cut responses' re-prefilled under the same weights; a near-tie
+    # could fall the other way on other kernels).
+    for plain_ids, plain_routes, ids, routes, cut in r["continued"]:
+        assert ids == plain_ids and 0 < cut < len(ids)
+        assert routes.shape == plain_routes.shape
+        assert (routes != plain_routes).mean() <= 0.02

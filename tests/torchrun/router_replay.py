@@ -5,7 +5,8 @@ the batch on every rank. The actor then computes log-probs with its routers repl
 routes (R3), and routing on its own while recording where it differs (log_mismatch); the
 same with foreign routes (random distinct experts per token and layer); and the gradient of
 one update on the foreign routes, with and without full activation recompute (the recompute
-must replay them too). Rank 0 writes everything to --out.
+must replay them too). Also a generation a stop cut, continued: its routes. Rank 0 writes
+everything to --out.
 """
 
 import argparse
@@ -20,7 +21,7 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.types import EngineConfig, SamplingConfig
+from megatron_rl.rollout.types import EngineConfig, GenerationStopped, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.policy import Actor
@@ -36,6 +37,28 @@ def foreign_routes(like: torch.Tensor, experts: int) -> torch.Tensor:
     *lead, k = like.shape
     scores = torch.rand(*lead, experts, generator=g)
     return scores.topk(k, dim=-1).indices.to(like.dtype)
+
+
+def stopped_and_continued(engine: VLLMEngine, prompts) -> list[tuple]:
+    """A seeded call stopped at the engine's third check and continued (the first response
+    given back finished, the others cut): (uninterrupted, continued) token ids and routes of
+    each response. Every routed token of a continued response is re-prefilled under the
+    same weights, so its routes are the uninterrupted call's."""
+    sampling, seeds = SamplingConfig(n=2, max_new_tokens=40, ignore_eos=True), [3, 4]
+    plain = engine.generate(prompts, sampling, seeds)
+    checks = []
+    try:
+        engine.generate(
+            prompts, sampling, seeds, should_stop=lambda: checks.append(1) or len(checks) == 3
+        )
+        raise RuntimeError("the stop at the third check did not stop the call")
+    except GenerationStopped as stopped:
+        cut = stopped.samples
+    resumed = engine.generate(prompts, sampling, seeds, partial=[plain[0], *cut[1:]])
+    return [
+        (p.token_ids, p.routed_experts, r.token_ids, r.routed_experts, len(c.token_ids))
+        for p, r, c in zip(plain, resumed, cut, strict=True)
+    ]
 
 
 @record
@@ -54,6 +77,7 @@ def main():
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
     samples = [engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=12))]
+    result = {"continued": stopped_and_continued(engine, prompts)}
     torch.distributed.broadcast_object_list(samples, src=0)  # one batch on every rank
     batch = samples_to_batch(samples[0])
     g = torch.Generator().manual_seed(0)
@@ -67,7 +91,7 @@ def main():
     model = RoleModel(arch, layout, model_path=a.hf_dir)
     r3 = Actor(model, router_replay=RouterReplayConfig("R3"))
     free = Actor(model, router_replay=RouterReplayConfig(log_mismatch=True))
-    result = {"batch": batch, "foreign": foreign}
+    result.update(batch=batch, foreign=foreign)
     result["replayed"] = r3.compute_logprobs(batch)
     result["free"] = free.compute_logprobs(batch)
     result["own_mismatch"] = free.routing_metrics
