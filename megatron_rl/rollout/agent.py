@@ -38,8 +38,10 @@ from megatron_rl.preemption import StepAborted
 from megatron_rl.rollout.tool_formats import ToolFormat, TruncateSide, truncate
 from megatron_rl.rollout.types import (
     ABORT_CHECK_STEPS,
+    UNFINISHED,
     Engine,
     EngineWrapper,
+    GenerationStopped,
     Sample,
     SamplingConfig,
     check_generate,
@@ -98,6 +100,33 @@ class Trajectory:
             self.finish_reason or "stop", env_spans=self.env_spans,
             step_rewards=self.step_rewards, tool_status=self.tool_status,
         )  # fmt: skip
+
+    def cut(self, turn: tuple[list[int], list[float]], stepping: bool, sampler_state) -> Sample:
+        """This unfinished trajectory as a stop left it (`UNFINISHED`): its tokens with the
+        turn being generated so far (`turn`: its ids and log-probs), where its loop stood
+        (`Sample.agent_state`) and the turn's random state (`sampler_state`)."""
+        ids, logprobs = turn
+        return Sample(
+            self.prompt_index, self.sample_index, self.prompt, self.tokens + ids,
+            self.logprobs + logprobs, UNFINISHED, env_spans=self.env_spans,
+            step_rewards=self.step_rewards, tool_status=self.tool_status,
+            sampler_state=sampler_state,
+            agent_state={"turns": self.turns, "state": self.state, "stepping": stepping,
+                         "last_ended_by": self.last_ended_by, "turn_tokens": len(ids)},
+        )  # fmt: skip
+
+    @classmethod
+    def resumed(cls, s: Sample, task: Task, seed: int | None) -> Trajectory:
+        """The trajectory of a response `cut` gave (or a finished one), as it stood."""
+        a = s.agent_state or {}
+        t = cls(s.prompt_index, s.sample_index, list(s.prompt_token_ids), task, seed,
+                list(s.token_ids), list(s.logprobs), list(s.env_spans), list(s.step_rewards),
+                list(s.tool_status))  # fmt: skip
+        if s.finish_reason != UNFINISHED:
+            t.finish_reason = s.finish_reason
+            return t
+        t.turns, t.state, t.last_ended_by = a["turns"], a["state"], a["last_ended_by"]
+        return t
 
 
 FINISH_REASONS = ("stop", "length", "max_turns", "budget")
@@ -178,6 +207,7 @@ def run_in_flight(
     steps: EnvSteps | SharedEnvSteps,
     tokenizer,
     should_stop: Callable[[], bool] | None = None,
+    partial: list[Sample] | None = None,
 ) -> list[Sample]:
     """`run_turns`' samples, with every trajectory in flight at once: the engine keeps
     generating the others while a tool runs (verl's AgentLoop, AReaL). Needs a streaming
@@ -188,28 +218,46 @@ def run_in_flight(
     whatever the timing); one engine step; each turn that finished goes to the pool or ends
     its trajectory. With no request running, the iteration waits on the pool (<= POLL_S).
     The stop request is asked every ABORT_CHECK_STEPS iterations, agreed over the engine's
-    ranks: yes aborts the requests, cancels the tools, raises `StepAborted`."""
-    trajectories, sampling = _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer,
-                                    should_stop)  # fmt: skip
+    ranks: yes aborts the requests, cancels the tools and raises `GenerationStopped` with
+    every trajectory as far as it got (`Trajectory.cut`). `partial`: those, continued: a
+    trajectory the environment was answering asks it again (same state, same action), one
+    cut inside a turn goes on with the turn's random state."""
+    if partial is None:
+        trajectories, sampling = _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer,
+                                        should_stop)  # fmt: skip
+        first = replace(
+            sampling, max_new_tokens=min(sampling.max_new_tokens, spec.max_response_length)
+        )
+        for i in range(len(prompts)):
+            t = trajectories[i * sampling.n]
+            engine.stream_submit(("first", i), t.prompt, first, t.seed)
+        live = {t.key for t in trajectories}
+    else:
+        trajectories, sampling = _continue(engine, partial, tasks, sampling, seeds, spec, steps,
+                                           tokenizer)  # fmt: skip
+        live = {t.key for t in trajectories if t.finish_reason is None}
     by_key = {t.key: t for t in trajectories}
-    first = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, spec.max_response_length))
-    for i in range(len(prompts)):
-        t = by_key[(i, 0)]
-        engine.stream_submit(("first", i), t.prompt, first, t.seed)
     turn: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
     iteration = 0
     while engine.stream_pending() or steps.outstanding:
         if iteration % ABORT_CHECK_STEPS == 0 and should_stop is not None:
             if engine.any_engine_rank(should_stop()):
-                engine.stream_abort()
+                states, stepping = engine.stream_abort(), set(steps.outstanding)
                 steps.cancel()
-                raise StepAborted("rollout/generate")
+                raise GenerationStopped("rollout/generate", [
+                    t.cut(turn.get(t.key, ([], [])), t.key in stepping,
+                          states.get((t.key, 0), states.get((("first", t.prompt_index), t.sample_index))))
+                    if t.key in live else t.sample()
+                    for t in trajectories
+                ])  # fmt: skip
         iteration += 1
         for key, outcome in steps.ready(0.0 if engine.stream_pending() else POLL_S):
             t = by_key[key]
             _apply(t, outcome, tokenizer, spec)
             if t.finish_reason is None:
                 _submit_next(engine, t, sampling, spec)
+            else:
+                live.discard(key)
         if not engine.stream_pending():
             continue
         for key, j, tokens, logprobs, finish in engine.stream_step():
@@ -223,15 +271,47 @@ def run_in_flight(
             _take(t, Sample(t.prompt_index, t.sample_index, t.prompt, ids, lps, finish), spec)
             if _wants_step(t, spec):
                 steps.submit(t.key, _action(t, spec, tokenizer))
+            else:
+                live.discard(t.key)
     return [t.sample() for t in trajectories]
 
 
-def _submit_next(engine, t: Trajectory, sampling: SamplingConfig, spec: AgentSpec) -> None:
-    left = min(sampling.max_new_tokens, spec.max_response_length - len(t.tokens))
-    seed = continuation_seed(t.seed, t.sample_index, len(t.tokens))
+def _submit_next(
+    engine, t: Trajectory, sampling: SamplingConfig, spec: AgentSpec, cut: Sample | None = None
+) -> None:
+    """The trajectory's next turn; `cut`: the turn a stop cut, its tokens so far (already
+    in `t.tokens`) and random state."""
+    done = 0 if cut is None else cut.agent_state["turn_tokens"]
+    left = min(sampling.max_new_tokens - done, spec.max_response_length - len(t.tokens))
+    seed = continuation_seed(t.seed, t.sample_index, len(t.tokens) - done)
+    state = None if cut is None else cut.sampler_state
     engine.stream_submit(
-        t.key, t.prompt + t.tokens, replace(sampling, n=1, max_new_tokens=left), seed
+        t.key, t.prompt + t.tokens, replace(sampling, n=1, max_new_tokens=left), seed, state
     )
+
+
+def _continue(engine, partial, tasks, sampling, seeds, spec, steps, tokenizer):
+    """The trajectories of `partial` (`Trajectory.cut`'s) as they stood, the unfinished ones
+    going on: the environment asked again where it was answering, the turn resubmitted
+    where a stop cut it; and the turns' sampling (`_start`'s)."""
+    sampling = _turn_sampling(sampling, spec)
+    trajectories = [
+        Trajectory.resumed(s, tasks[s.prompt_index], None if seeds is None else seeds[s.prompt_index])
+        for s in partial
+    ]  # fmt: skip
+    for t, s in zip(trajectories, partial, strict=True):
+        if t.finish_reason is not None:
+            continue
+        if s.agent_state["stepping"]:
+            steps.submit(t.key, _action(t, spec, tokenizer))
+        else:
+            _submit_next(engine, t, sampling, spec, cut=s)
+    return trajectories, sampling
+
+
+def _turn_sampling(sampling: SamplingConfig, spec: AgentSpec) -> SamplingConfig:
+    """A turn's sampling: it also stops at the format's call end."""
+    return replace(sampling, stop_token_ids=(*sampling.stop_token_ids, spec.call_end_id))
 
 
 def _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer, should_stop):
@@ -243,8 +323,7 @@ def _start(prompts, tasks, sampling, seeds, spec, steps, tokenizer, should_stop)
         for j in range(sampling.n)
     ]
     _reset(trajectories, steps, tokenizer, spec, should_stop)
-    stop_ids = (*sampling.stop_token_ids, spec.call_end_id)
-    return trajectories, replace(sampling, stop_token_ids=stop_ids)
+    return trajectories, _turn_sampling(sampling, spec)
 
 
 def _reset(trajectories, steps, tokenizer, spec, should_stop) -> None:
@@ -461,9 +540,12 @@ class AgentEngine(EngineWrapper):
     partial_rollouts = False
     """A turn's continuation is its own request: the weights may change between turns, never
     inside one, so there is nothing for a refresh to interrupt."""
-    continues_partial = False
-    """A trajectory a stop cut would need its environment's state, which lives in a worker
-    process and is not saved: its chunk is generated again after the resume."""
+
+    @property
+    def continues_partial(self) -> bool:
+        """In flight only (a streaming engine, `run_in_flight`): turn by turn, a stop waits
+        for the turn's end or cancels the tools, and the chunk is generated again."""
+        return self.inner.streams
 
     def __init__(
         self, engine: Engine, spec: AgentSpec, steps: EnvSteps | SharedEnvSteps, tokenizer
@@ -479,13 +561,13 @@ class AgentEngine(EngineWrapper):
         should_stop: Callable[[], bool] | None = None,
         tasks: list[Task] | None = None,
         refresh: None = None,
-        partial: None = None,
+        partial: list[Sample] | None = None,
     ) -> list[Sample]:
-        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial)
+        """`partial`: the trajectories a stopped call left (`GenerationStopped.samples`),
+        continued (`run_in_flight`)."""
+        check_generate(self, prompts, seeds, should_stop, tasks, refresh, partial, sampling.n)
         tasks = tasks if tasks is not None else [Task(None)] * len(prompts)
+        args = (self.inner, prompts, tasks, sampling, seeds, self.spec, self.steps,
+                self.tokenizer, should_stop)  # fmt: skip
         # in flight where the engine streams (vLLM); else turn by turn (`hf`): same samples
-        loop = run_in_flight if self.inner.streams else run_turns
-        return loop(
-            self.inner, prompts, tasks, sampling, seeds, self.spec, self.steps, self.tokenizer,
-            should_stop,
-        )  # fmt: skip
+        return run_in_flight(*args, partial=partial) if self.inner.streams else run_turns(*args)

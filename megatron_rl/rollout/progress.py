@@ -17,9 +17,10 @@ What equals an uninterrupted run: every response finished before the stop, token
 (same prompts, same seeds), and every response the stop cut: its continuation gets back its
 request's random state (`rollout/sampler_state.py`), so it draws what the uncut request
 would have (up to kernel rounding between a prefill and a decode step; where vLLM's runner
-cannot be hooked it draws from its own `continuation_seed` instead). Multi-turn trajectories
-a stop cut are not continued (their environments' state lives in worker processes and is
-not saved): their chunk is generated again; the chunks before it are kept.
+cannot be hooked it draws from its own `continuation_seed` instead). A multi-turn
+trajectory in flight is kept as it stood (`Sample.agent_state`: its environment's state,
+whether the environment was answering) and goes on from there (`agent.run_in_flight`); on
+the turn-by-turn loop (an engine that cannot be cut) its chunk is generated again.
 
 Files: `<checkpoint>/rollout_progress/replica_00000.pt`, one per rollout replica (the
 model replicas colocated, the engine replicas disaggregated), each written whole (temp file,

@@ -98,6 +98,11 @@ class Sample:
     """A response a stop cut (`UNFINISHED`), of a seeded request: its request's random
     state at the cut (`rollout/sampler_state.py`), so its continuation draws what the
     uncut request would have. None otherwise."""
+    agent_state: dict | None = None
+    """A multi-turn trajectory a stop cut (`UNFINISHED`): where its loop stood (`rollout/
+    agent.py`, `Trajectory.cut`): turns done, the environment's state (picklable by the
+    environment contract), how its last turn ended and whether the environment was
+    answering it. None otherwise."""
 
     @property
     def response_length(self) -> int:
@@ -253,14 +258,20 @@ class StreamingEngine(Engine, Protocol):
     rollouts in flight, `rollout/agent.py`)."""
 
     def stream_submit(
-        self, key, prompt: list[int], sampling: SamplingConfig, seed: int | None
+        self,
+        key,
+        prompt: list[int],
+        sampling: SamplingConfig,
+        seed: int | None,
+        sampler_state: bytes | None = None,
     ) -> None: ...
 
     def stream_step(self) -> list[tuple]: ...
 
     def stream_pending(self) -> bool: ...
 
-    def stream_abort(self) -> None: ...
+    def stream_abort(self) -> dict[tuple, bytes]:
+        """Abort every request; the random state of each sample cut, by (key, index)."""
 
     def any_engine_rank(self, flag: bool) -> bool: ...
 
@@ -307,8 +318,10 @@ def check_partial(prompts: Sequence[Sequence[int]], partial: Sequence[Sample], n
             f"partial responses {found[:4]}... are not the {len(expected)} (prompt, sample) "
             f"pairs of {len(prompts)} prompts x {n} samples, prompt-major"
         )
-    for s in partial:
-        if list(s.prompt_token_ids) != list(prompts[s.prompt_index]):
+    for s in partial:  # (a multi-turn prompt has its environment's first answer after it)
+        if list(s.prompt_token_ids[: len(prompts[s.prompt_index])]) != list(
+            prompts[s.prompt_index]
+        ):
             raise ValueError(
                 f"partial response ({s.prompt_index}, {s.sample_index}) belongs to another "
                 "prompt than the one it is given with"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.rollout import routes, sampler_state, vllm_cpu_experts
+from megatron_rl.rollout import routes, vllm_cpu_experts
+from megatron_rl.rollout import sampler_state as sampler_state_module
 from megatron_rl.rollout.types import (
     ABORT_CHECK_STEPS,
     ENGINE_MEMORY,
@@ -93,6 +94,24 @@ class _Round:
             sampling,
             None if seeds is None else list(seeds),
         )
+
+
+@dataclass
+class _Stream:
+    """A streamed request (`stream_submit`)."""
+
+    key: object
+    """The caller's."""
+    runner_id: str
+    """The id vLLM's runner knows it by."""
+    received: list[int]
+    """Tokens `stream_step` returned of each of its samples."""
+
+
+def runner_children(runner_id: str, n: int) -> list[tuple[str, int]]:
+    """(runner id, sample index) of each sample of a request of `n`: vLLM runs an n > 1
+    request as n children named `{index}_{id}`."""
+    return [(runner_id, 0)] if n == 1 else [(f"{c}_{runner_id}", c) for c in range(n)]
 
 
 def name_cpu_shm_per_job() -> None:
@@ -175,8 +194,8 @@ class VLLMEngine:
         the request's n samples)."""
         self._runner_ids: dict[str, str] = {}
         """Resumable request id -> the id vLLM's runner knows it by (a suffix added)."""
-        self._streams: dict[str, object] = {}
-        """Streamed requests in vLLM (`stream_submit`): id -> the caller's key."""
+        self._streams: dict[str, _Stream] = {}
+        """Streamed requests in vLLM (`stream_submit`) by id."""
         self._ahead: _Round | None = None
         """The round admitted while the previous one generated (`next_round`): its requests
         run on in vLLM after that call returns, until the next call adopts them or any other
@@ -201,7 +220,7 @@ class VLLMEngine:
         if cfg.record_routes:
             topk = self.llm.llm_engine.model_config.hf_config.num_experts_per_tok
             self.llm.collective_rpc(routes.install_worker, args=(topk,))
-        self.exact_continuation = all(self.llm.collective_rpc(sampler_state.install_worker))
+        self.exact_continuation = all(self.llm.collective_rpc(sampler_state_module.install_worker))
         """Whether a response a stop cut continues with its request's own random state
         (vLLM's V1 runner; elsewhere with its `continuation_seed`)."""
 
@@ -466,27 +485,31 @@ class VLLMEngine:
                 if st.sampler_state is not None and p.seed is not None:
                     states[runner_id], st.sampler_state = st.sampler_state, None
         if states:
-            self.llm.collective_rpc(sampler_state.restore_worker, args=(states,))
+            self.llm.collective_rpc(sampler_state_module.restore_worker, args=(states,))
         rnd.running = True
 
     def _read_sampler_states(self, rnd: _Round) -> None:
-        """Keep each unfinished response's random state (before a stop aborts it), where
-        its runner sampled exactly the tokens received."""
-        if not self.exact_continuation:
-            return
+        """Keep each unfinished response's random state (before a stop aborts it)."""
         where = {}  # runner id -> (prompt index, sample index)
         for rid, (owner, i, j) in self._requests.items():
             if owner is rnd:
-                runner_id, n = self._runner_ids[rid], rnd.params[i].n
-                if j is not None or n == 1:
-                    where[runner_id] = (i, 0 if j is None else j)
-                else:  # vLLM's children of an n-sample request
-                    where.update({f"{c}_{runner_id}": (i, c) for c in range(n)})
-        found = self.llm.collective_rpc(sampler_state.read_worker, args=(list(where),))[0]
-        for runner_id, (sampled, state) in found.items():
+                n = 1 if j is not None else rnd.params[i].n
+                children = runner_children(self._runner_ids[rid], n)
+                where.update({c: (i, k if j is None else j) for c, k in children})
+        received = {c: len(rnd.states[ij].tokens) for c, ij in where.items()}
+        for runner_id, state in self._sampler_states(received).items():
             st = rnd.states[where[runner_id]]
-            if st.finish_reason is None and sampled == len(st.tokens):
+            if st.finish_reason is None:
                 st.sampler_state = state
+
+    def _sampler_states(self, received: dict[str, int]) -> dict[str, bytes]:
+        """The random state of each runner request of `received` (runner id -> tokens
+        received of it) whose runner sampled exactly those tokens (none where the runner
+        cannot be read: `exact_continuation`)."""
+        if not self.exact_continuation or not received:
+            return {}
+        found = self.llm.collective_rpc(sampler_state_module.read_worker, args=(list(received),))[0]
+        return {rid: state for rid, (sampled, state) in found.items() if sampled == received[rid]}
 
     def _interrupt(self, *rounds: _Round | None) -> None:
         """Abort every request, keeping what each response generated."""
@@ -584,10 +607,17 @@ class VLLMEngine:
     # `rollout/agent.py`): requests added one by one, the engine stepped by the caller.
 
     def stream_submit(
-        self, key, prompt: list[int], sampling: SamplingConfig, seed: int | None
+        self,
+        key,
+        prompt: list[int],
+        sampling: SamplingConfig,
+        seed: int | None,
+        sampler_state: bytes | None = None,
     ) -> None:
         """Add one request (`sampling.n` samples of `prompt`, seeded) whose tokens
-        `stream_step` returns as they are sampled, under `key`."""
+        `stream_step` returns as they are sampled, under `key`. `sampler_state` (one
+        sample, seeded): the random state a stop cut it with (`stream_abort`), to go on
+        drawing what it would have."""
         # why: vLLM is optional and slow to import: only the vLLM engine needs it
         from vllm.sampling_params import RequestOutputKind
 
@@ -596,30 +626,42 @@ class VLLMEngine:
         params = vllm_sampling_params(sampling)
         params.seed, params.output_kind = seed, RequestOutputKind.DELTA
         rid = str(next(self.llm.request_counter))
-        self._streams[rid] = key
-        self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+        runner_id = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+        self._streams[rid] = _Stream(key, runner_id, [0] * sampling.n)
+        if sampler_state is not None and seed is not None and sampling.n == 1:
+            self.llm.collective_rpc(sampler_state_module.restore_worker,
+                                    args=({runner_id: sampler_state},))  # fmt: skip
 
     def stream_step(self) -> list[tuple]:
         """One engine step: (key, sample index, new token ids, their log-probs, finish
         reason or None) of every request that sampled."""
         out = []
         for request in self.llm.llm_engine.step():
-            key = self._streams[request.request_id]
+            stream = self._streams[request.request_id]
             if request.finished:
                 del self._streams[request.request_id]
             for c in request.outputs:
                 logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
-                out.append((key, c.index, list(c.token_ids), logprobs, c.finish_reason))
+                stream.received[c.index] += len(c.token_ids)
+                out.append((stream.key, c.index, list(c.token_ids), logprobs, c.finish_reason))
         return out
 
     def stream_pending(self) -> bool:
         """Whether a streamed request is still unfinished."""
         return bool(self._streams)
 
-    def stream_abort(self) -> None:
-        """Abort every streamed request (a stop), leaving the engine empty."""
+    def stream_abort(self) -> dict[tuple, bytes]:
+        """Abort every streamed request (a stop), leaving the engine empty; returns the
+        random state of each sample it cut, (key, sample index) -> state, where it can be
+        read (seeded requests, `exact_continuation`)."""
+        where, received = {}, {}
+        for stream in self._streams.values():
+            for child, j in runner_children(stream.runner_id, len(stream.received)):
+                where[child], received[child] = (stream.key, j), stream.received[j]
+        states = self._sampler_states(received)
         self._abort_all()
         self._streams.clear()
+        return {where[child]: state for child, state in states.items()}
 
     def _abort_all(self) -> None:
         engine = self.llm.llm_engine

@@ -27,7 +27,7 @@ from megatron_rl.rollout.agent import (
     run_turns,
 )
 from megatron_rl.rollout.tool_formats import ToolFormat, truncate
-from megatron_rl.rollout.types import SamplingConfig
+from megatron_rl.rollout.types import UNFINISHED, GenerationStopped, SamplingConfig
 from tests.tolerances import LOGPROB, assert_close
 
 pytestmark = pytest.mark.vllm
@@ -237,3 +237,48 @@ def test_a_stop_request_in_flight_aborts_the_requests_and_the_tools(
         pool.close()
     # the engine serves the next rollout as if nothing happened
     assert len(vllm_engine.generate(prompts[:1], SamplingConfig(n=1, max_new_tokens=4))) == 1
+
+
+def test_trajectories_a_stop_cut_in_flight_go_on_from_where_each_stood(
+    vllm_engine, prompts, spec, tokenizer
+):
+    """In flight with a slow tool (0.3 s a step), a stop at the first check that finds a
+    tool running and a turn being generated: `GenerationStopped` holds every trajectory as far as it got: some with the
+    environment answering them, some inside a turn (its tokens so far and random state).
+    Given back as `partial`, the loop goes on (the environment asked again with the same
+    state and action, the cut turns continued): every trajectory equals the uninterrupted
+    one, token for token, and no kept token is sampled again."""
+    config = EnvConfig(type="python", path="tests.envs.scripted_envs:SlowCounter",
+                       kwargs={"turns": 3, "reward": 0.5, "seconds": 0.3}, num_workers=2)  # fmt: skip
+    pool = EnvPool(config)
+    tasks = [Task(f"q{i}") for i in range(len(prompts))]
+    try:
+        steps = EnvSteps(pool)
+        whole = run_in_flight(vllm_engine, prompts, tasks, SAMPLING, SEEDS, spec, steps, tokenizer)
+
+        def should_stop() -> bool:  # a tool running (a step, not a reset), a turn too
+            tool = any(isinstance(key, tuple) for key in steps.outstanding)
+            return tool and vllm_engine.stream_pending()
+
+        with pytest.raises(GenerationStopped, match="rollout/generate") as stopped:
+            run_in_flight(vllm_engine, prompts, tasks, SAMPLING, SEEDS, spec, steps, tokenizer,
+                          should_stop)  # fmt: skip
+        cut = stopped.value.samples
+        assert not steps.outstanding and not vllm_engine.stream_pending()
+        waiting = [s for s in cut if s.finish_reason == UNFINISHED and s.agent_state["stepping"]]
+        inside = [s for s in cut if s.finish_reason == UNFINISHED and not s.agent_state["stepping"]]
+        assert waiting and inside, [(s.finish_reason, s.agent_state) for s in cut]
+        assert all(s.sampler_state for s in inside)
+        assert any(s.agent_state["turn_tokens"] > 0 for s in inside)
+        resumed = run_in_flight(vllm_engine, prompts, tasks, SAMPLING, SEEDS, spec, steps,
+                                tokenizer, partial=cut)  # fmt: skip
+    finally:
+        pool.close()
+    for s, before in zip(resumed, cut, strict=True):
+        assert s.token_ids[: len(before.token_ids)] == before.token_ids
+        assert s.logprobs[: len(before.logprobs)] == before.logprobs
+    assert [(s.token_ids, s.env_spans, s.step_rewards, s.tool_status, s.finish_reason)
+            for s in resumed] == [(s.token_ids, s.env_spans, s.step_rewards, s.tool_status,
+                                   s.finish_reason) for s in whole]  # fmt: skip
+    for s, w in zip(resumed, whole, strict=True):
+        assert_close(s.logprobs, w.logprobs, LOGPROB)  # a cut turn's next: a re-prefill
