@@ -52,6 +52,7 @@ def test_a_node_per_rank_gives_every_rank_local_rank_0_and_a_nccl_host_of_its_ow
     assert len({h for *_, h in seen}) == 2 and "None" not in {h for *_, h in seen}
 
 
+@pytest.mark.e2e  # the journeys' tier (~30 s), to keep `make test` under 20 minutes
 def test_a_node_per_rank_reports_the_failing_rank_and_kills_a_hung_job(monkeypatch):
     monkeypatch.setenv(RANKS_AS_NODES_ENV, "1")
     with pytest.raises(TorchrunError, match="a node per rank") as e:

@@ -14,7 +14,8 @@ import pytest
 
 from megatron_rl.launch import free_port, kill_tree
 
-pytestmark = pytest.mark.distributed
+# the journeys' tier (~35 s), to keep `make test` under 20 minutes
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
 JUDGE = (
     'rewards.reward_fns=[{type: python, path: "tests.reward_fns:coin_flip_or_regex_hang", '

@@ -300,7 +300,8 @@ PACKED = "model.use_remove_padding=true"
         # packed micro-batches for the actor and the reference (KL in the loss)
         ("grpo", False, ("algorithm.rollout_correction.bypass_mode=true", PACKED)),
         ("rloo", False, BF16_ROLLOUT_CORRECTED),
-        ("reinforce_pp", False, ()),
+        # the journeys' tier (~30 s), to keep `make test` under 20 minutes
+        pytest.param("reinforce_pp", False, (), marks=pytest.mark.e2e),
     ],
 )
 def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
