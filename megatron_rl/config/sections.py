@@ -15,6 +15,7 @@ from typing import ClassVar
 from megatron_rl.config.loader import items_parsed_by
 from megatron_rl.envs.config import EnvConfig
 from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
+from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
@@ -246,6 +247,10 @@ class RoleConfig:
     generates without them on the device. Critic: from the end of its update until the next
     experience (its values), through the weight sync and the rollout. Bit-exact (bytes copied
     back); costs two host<->device copies of the weights a step."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA: train low-rank adapters on the role's linears, every other weight frozen
+    (`lora.rank` > 0; `models/lora.py`). The actor's reference is then its base with the
+    adapters off; the critic's value head still trains in full."""
 
     forward_budget_key: ClassVar[str] = ""
     """The role's field with the token budget of its forward-only passes (None: the

@@ -298,6 +298,11 @@ def check_models(config: TrainConfig) -> None:
     ):  # fmt: skip
         if asked and not present:
             raise ConfigError(f"{key}=true but this run has no such model (it needs {how})")
+    if config.actor.ref_param_offload and config.actor.lora.enabled:
+        raise ConfigError(
+            "actor.ref_param_offload=true with actor.lora: the reference is the actor's base "
+            "with the adapters off, it holds no weights of its own to offload"
+        )
     if config.model.precision.params_dtype == torch.float32:
         for role in ("actor", "critic"):
             if getattr(config, role).optimizer_offload:

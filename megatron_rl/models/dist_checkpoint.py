@@ -77,8 +77,23 @@ def _modules(chunks: list) -> list:
     return [getattr(c, "module", c) for c in chunks]
 
 
+def _trained_only(module) -> dict:
+    """The module's sharded state of its trained parameters alone: a LoRA model's adapters
+    (and a critic's value head), not the frozen base, which the run's model.path holds."""
+    trained = {id(p) for p in module.parameters() if p.requires_grad}
+    return {
+        key: value
+        for key, value in module.sharded_state_dict().items()
+        if id(getattr(value, "data", None)) in trained
+    }
+
+
 def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
-    model = {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(_modules(chunks))}
+    # why: megatron-core takes seconds to import: loaded on first use
+    from megatron_rl.models.lora import is_adapted
+
+    state_of = _trained_only if is_adapted(chunks) else (lambda m: m.sharded_state_dict())
+    model = {f"chunk{i}": state_of(m) for i, m in enumerate(_modules(chunks))}
     state = {"model": model}
     if optimizer is not None:
         # Keyed by the parameters' global names, so Adam's moments reshard like the weights.
@@ -258,9 +273,22 @@ def load_role(chunks: list, optimizer, ckpt_dir: Path, skip: tuple[str, ...] = (
         raise
 
 
+def _load_trained(module, state: dict, model_dir: Path) -> None:
+    result = module.load_state_dict(state, strict=False)
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    missing = trained & set(result.missing_keys)
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{model_dir.parent}: the adapters checkpoint leaves {sorted(missing)} unset and "
+            f"{result.unexpected_keys} unused"
+        )
+
+
 def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> None:
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
+
+    from megatron_rl.models.lora import is_adapted
 
     has_state = optimizer is not None and _holds_optimizer_state(model_dir)
     saved_optimizer = optimizer if has_state else None
@@ -271,7 +299,11 @@ def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> No
         for name in skip:
             chunk_state.pop(name, None)
     state = dist_checkpointing.load(sharded, str(model_dir))
+    adapters_only = is_adapted(chunks)
     for i, module in enumerate(_modules(chunks)):
+        if adapters_only:  # the frozen base is the run's model.path, loaded already
+            _load_trained(module, state["model"][f"chunk{i}"], model_dir)
+            continue
         result = module.load_state_dict(state["model"][f"chunk{i}"], strict=not skip)
         if skip and (result.unexpected_keys or set(result.missing_keys) - set(skip)):
             raise ValueError(

@@ -480,6 +480,8 @@ def export_hf_tensors(
 
     grads=True yields the reduced gradients (DDP's main_grad) instead of the weights. A
     critic's value head is yielded as `score.weight`, as in HF sequence classification.
+    A LoRA-adapted linear (`models/lora.py`) yields its merged weight W + s B A (its base
+    weight while adapters are off), never its factors: the model as a plain HF model.
     Every rank of the stage (all its TP, and EP, ranks) yields the same tensors.
     """
     # why: megatron-core takes seconds to import: loaded on first use
@@ -495,8 +497,14 @@ def export_hf_tensors(
     for chunk in chunks:
         model = unwrap(chunk)
         offset = layer_offset(model)
+        adapted = {} if grads else _adapted_linears(model)
         for name, param in model.named_parameters():
-            tensor = param.main_grad if grads else param.detach()
+            if name.endswith((".lora_A", ".lora_B")):
+                continue
+            if name in adapted:  # one merged weight at a time: no copy of the model
+                tensor = adapted[name].merged_weight()
+            else:
+                tensor = param.main_grad if grads else param.detach()
             if name == "output_layer.weight" and isinstance(model.output_layer, ValueHead):
                 yield "score.weight", tensor.clone()
                 continue
@@ -514,6 +522,14 @@ def export_hf_tensors(
                 yield from hf_tensors_from_megatron(
                     name, list(rank_shards), arch, offset, expert_offset=r * per_rank
                 ).items()
+
+
+def _adapted_linears(model) -> dict:
+    """Weight name -> its LoRA-adapted linear, for every adapted linear of `model`."""
+    # why: the LoRA module imports megatron-core's layers: loaded on first use
+    from megatron_rl.models.lora import lora_modules
+
+    return {f"{name}.weight": m for _, name, m in lora_modules([model])}
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

@@ -42,7 +42,7 @@ from megatron_rl.trainer.offload import Roles
 from megatron_rl.trainer.runner import MEMORY_TIMELINE, RLTrainer, RunParts
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
-from megatron_rl.workers.policy import Actor, ReferencePolicy
+from megatron_rl.workers.policy import Actor, AdapterOffReference, ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
 
 LAYOUT_SIZES = (
@@ -87,13 +87,15 @@ def build_roles(config: TrainConfig, arch) -> Roles:
         use_remove_padding=c.model.use_remove_padding,
     )
     actor = Actor(
-        model,
+        replace(model, lora=c.actor.lora),
         optim=scheduled_optim(c, "actor"),
         temperature=c.rollout.temperature,
         router_replay=c.actor.router_replay,
     )
     reference = None
-    if c.use_reference:  # forward only: nothing to recompute
+    if c.use_reference and c.actor.lora.enabled:  # the base, adapters off: no second copy
+        reference = AdapterOffReference(actor)
+    elif c.use_reference:  # forward only: nothing to recompute
         reference = ReferencePolicy(
             replace(model, recompute=None), temperature=c.rollout.temperature
         )
@@ -102,7 +104,7 @@ def build_roles(config: TrainConfig, arch) -> Roles:
         critic_path = c.model.critic_path or c.model.path
         critic_arch = ModelSource(critic_path).architecture()
         critic = Critic(
-            replace(model, arch=critic_arch, model_path=critic_path),
+            replace(model, arch=critic_arch, model_path=critic_path, lora=c.critic.lora),
             optim=scheduled_optim(c, "critic"),
         )
     return Roles(actor, reference, critic)

@@ -86,7 +86,10 @@ def save_roles(out: Path, roles: dict, sources: dict[str, str], layout: dict | N
             continue
         save_role(role.chunks, role.optimizer, out / name)
         if torch.distributed.get_rank() == 0:
-            write_metadata(out / name, name, role.arch, saved_layout=layout, source=sources[name])
+            lora = role.lora.to_dict() if role.lora else None
+            write_metadata(
+                out / name, name, role.arch, saved_layout=layout, source=sources[name], lora=lora
+            )
             (out / name / LR_SCHEDULER).write_text(json.dumps(role.scheduler.state_dict()) + "\n")
             copy_side_files(ModelSource(sources[name]).hf_dir, out / name / HF_META_SUBDIR)
 
@@ -101,6 +104,7 @@ def load_roles(path: Path, roles: dict) -> None:
             continue
         if not (path / name / METADATA).exists():
             raise ValueError(f"checkpoint {path}: has no {name} state but this run trains a {name}")
+        check_same_adapters(path / name, role.lora)
         role.restore_offloaded()  # a checkpoint loads into the state where it trains
         try:
             load_role(role.chunks, role.optimizer, path / name)
@@ -127,6 +131,19 @@ def load_roles(path: Path, roles: dict) -> None:
                 + ", ".join(changed),
                 flush=True,
             )
+
+
+def check_same_adapters(role_dir: Path, lora) -> None:
+    """A checkpoint resumes only into the same adapters (or none): a LoRA checkpoint holds
+    the adapters alone, a full one every weight (verl's `check_adapter_matches_config`)."""
+    saved = json.loads((role_dir / METADATA).read_text()).get("lora")
+    wanted = lora.to_dict() if lora else None
+    keys = ("rank", "alpha", "target_modules", "use_rslora")
+    if (saved is None) != (wanted is None) or (saved and any(saved[k] != wanted[k] for k in keys)):
+        raise ValueError(
+            f"checkpoint {role_dir}: saved with lora {saved}, this run has lora {wanted}: "
+            f"resume with the same adapters ({', '.join(keys)})"
+        )
 
 
 class CorruptCheckpoint(RuntimeError):

@@ -8,6 +8,7 @@ import torch
 from megatron_rl.algorithms.losses import clipped_value_loss
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.critic import build_critic_chunks
+from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.source import ModelSource
 from megatron_rl.workers.losses_config import ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -33,6 +34,8 @@ class Critic(TrainableRole):
         )
         if model.model_path is not None:
             ModelSource(model.model_path).load_critic(chunks, model.arch)
+        if model.lora is not None and model.lora.enabled:  # the value head trains in full
+            apply_lora(chunks, model.lora)
         super().__init__(
             arch=model.arch,
             layout=model.layout,
@@ -41,6 +44,8 @@ class Critic(TrainableRole):
             optim=optim or OptimConfig(lr=2e-6),
             use_remove_padding=model.use_remove_padding,
         )
+        self.lora = model.lora if model.lora and model.lora.enabled else None
+        """The adapters' settings (a checkpoint records them); None: every weight trains."""
 
     def compute_values(
         self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None

@@ -21,6 +21,7 @@ from megatron_rl.algorithms.losses import (
 from megatron_rl.data.batch import TrainingBatch, shift_to_tokens
 from megatron_rl.models.gpt import MoEConfig, RecomputeConfig, build_gpt_model_chunks
 from megatron_rl.models.lm_head import emit_hidden_states, output_weight
+from megatron_rl.models.lora import adapters_disabled, apply_lora
 from megatron_rl.models.router_replay import RouteReplay, RouterReplayConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel.vocab import chunked_logprobs_entropy
@@ -59,6 +60,8 @@ def _policy_chunks(model: RoleModel) -> list:
     )
     if model.model_path is not None:
         ModelSource(model.model_path).load_policy(chunks, model.arch)
+    if model.lora is not None and model.lora.enabled:  # on the loaded base, before DDP
+        apply_lora(chunks, model.lora)
     emit_hidden_states(chunks)  # the losses make logits chunk by chunk (models/lm_head.py)
     return chunks
 
@@ -132,6 +135,30 @@ class ReferencePolicy(_LogProbs, MegatronRole):
         self.temperature = temperature
 
 
+class AdapterOffReference:
+    """The reference policy of a LoRA actor: the actor's own chunks with the adapters
+    switched off, which is the base model exactly (its weights are frozen), with no second
+    copy of them (verl's LoRA reference; `models/lora.py`)."""
+
+    offloaded_param_bytes = 0
+    routing_metrics: dict[str, float] = {}
+
+    def __init__(self, actor: Actor):
+        self.actor = actor
+
+    def compute_logprobs(
+        self, batch: TrainingBatch, num_microbatches: int = 1, max_tokens: int | None = None
+    ) -> torch.Tensor:
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_logprobs(batch, num_microbatches, max_tokens)
+
+    def offload_params(self) -> None:
+        raise ValueError(
+            "the reference of a LoRA actor is the actor's base weights: there is nothing of "
+            "its own to offload (actor.ref_param_offload)"
+        )
+
+
 class Actor(_LogProbs, TrainableRole):
     """The trained policy: DDP-wrapped chunks, megatron optimizer, PPO/VAPO losses."""
 
@@ -157,6 +184,8 @@ class Actor(_LogProbs, TrainableRole):
             optim=optim,
             use_remove_padding=model.use_remove_padding,
         )
+        self.lora = model.lora if model.lora and model.lora.enabled else None
+        """The adapters' settings (a checkpoint records them); None: every weight trains."""
         self.temperature = temperature
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, hidden):

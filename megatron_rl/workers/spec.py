@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
+from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.parallel.distributed import ParallelLayout
 
 
@@ -37,3 +38,6 @@ class RoleModel:
     use_remove_padding: bool = False
     """Micro-batches run packed, their rows back to back with no padding (`data/packing.py`;
     verl's name); dense models only."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters on the model's linears, every other weight frozen (`models/lora.py`);
+    None (or rank 0) trains every weight."""
