@@ -54,7 +54,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_rl.models.architecture import ModelArchitecture
-from megatron_rl.models.presets import expert_layer_param_count, layer_param_count, param_count
+from megatron_rl.models.presets import (
+    expert_layer_param_count,
+    layer_param_count,
+    lora_layer_param_count,
+    param_count,
+)
 from megatron_rl.rollout.replica import RolloutLayout
 
 GiB = 2**30
@@ -105,6 +110,11 @@ class MemoryPlanConfig:
     critic: bool = True
     reference: bool = False
     """A reference policy for the KL term (VAPO has none)."""
+    lora_rank: int = 0
+    """LoRA on the actor and the critic (`actor.lora.rank`, every linear but the experts):
+    the base weights frozen (no gradient, no optimizer state), the adapters trained, the
+    critic's value head too; the reference is the actor with its adapters off (no weights).
+    0: full fine-tuning."""
     vllm_gpu_memory_utilization: float = 0.0
     """Fraction of the GPU vLLM takes while generating (0: no colocated engine)."""
     vllm_tensor_parallel_size: int | None = None
@@ -228,12 +238,16 @@ class MemoryPlan:
     def rewind_host_bytes(self) -> int:
         """Host memory of the copy that lets a stop request rewind a step's updates
         (`trainer.rewindable_update`, `workers/rewind.py`): each trained role's weights and
-        optimizer state (masters and moments, its shard with the distributed optimizer)."""
-        return sum(
-            self.states.get(f"{role}_{kind}", 0)
-            for role in ("actor", "critic")
-            for kind in ("weights", "optimizer")
-        )
+        optimizer state (masters and moments, its shard with the distributed optimizer).
+        With LoRA the trained weights are the adapters alone: as many as their fp32
+        gradients' elements."""
+        total = 0
+        for role in ("actor", "critic"):
+            weights = self.states.get(f"{role}_weights", 0)
+            if self.config.lora_rank:
+                weights = self.states.get(f"{role}_grads", 0) // 4 * _bytes_per_element(self.config)
+            total += weights + self.states.get(f"{role}_optimizer", 0)
+        return total
 
     @property
     def rollout_bytes(self) -> int:
@@ -305,6 +319,27 @@ def model_state_bytes(
         out["grads"] = total * 4
         out["optimizer"] = -(-params * optimizer // dense) - (-expert_params * optimizer // experts)
     return out
+
+
+def lora_state_bytes(
+    arch: ModelArchitecture, c: MemoryPlanConfig, role: str, params: int, expert_params: int
+) -> dict[str, int]:
+    """A LoRA role's states: the frozen base as weights alone, the adapters (and a critic's
+    value head) as weights + fp32 gradients + optimizer state. Activations are priced as
+    full fine-tuning's: each adapter needs the input its base would save."""
+    tp = c.tensor_model_parallel_size
+    layers = arch.num_layers // c.pipeline_model_parallel_size
+    adapters = layers * lora_layer_param_count(arch, c.lora_rank, tp)
+    if role == "critic":
+        adapters += arch.hidden_size
+    base = model_state_bytes(params, c, False, expert_params)
+    trained = model_state_bytes(adapters, c, True)
+    return {
+        f"{role}_weights": base["weights"] + trained["weights"],
+        **{f"{role}_{k}": v for k, v in base.items() if k != "weights"},
+        f"{role}_grads": trained["grads"],
+        f"{role}_optimizer": trained["optimizer"],
+    }
 
 
 def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> dict[str, float]:
@@ -465,12 +500,17 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
             f"{c.num_gpus} GPUs are not divisible by ETP x EP x PP = {etp} x {ep} x {pp}"
         )
     arch.check_divisible(tp, pp * (c.virtual_pipeline_model_parallel_size or 1), etp, ep)
-    roles = ["actor"] + (["critic"] if c.critic else []) + (["reference"] if c.reference else [])
+    # A LoRA actor's reference is its own base with the adapters off: no weights of its own.
+    reference = c.reference and not c.lora_rank
+    roles = ["actor"] + (["critic"] if c.critic else []) + (["reference"] if reference else [])
     experts = stage_expert_params(arch, c)
     params = {r: stage_params(arch, c, r) for r in roles}
     states = {}
     for role in roles:
         trainable = role != "reference"
+        if c.lora_rank and trainable:
+            states.update(lora_state_bytes(arch, c, role, params[role], experts))
+            continue
         for kind, n in model_state_bytes(params[role], c, trainable, experts).items():
             states[f"{role}_{kind}"] = n
     params = {r: n + experts for r, n in params.items()}

@@ -19,7 +19,12 @@ from megatron_rl.memory_plan import (
     plan_memory,
     stage_params,
 )
-from megatron_rl.models.presets import param_count, preset_arch, resolve_arch
+from megatron_rl.models.presets import (
+    lora_layer_param_count,
+    param_count,
+    preset_arch,
+    resolve_arch,
+)
 from tools.plan_memory import main as plan_main
 from tools.plan_memory import offload_keys, recipe_offload, recipe_settings
 
@@ -382,3 +387,36 @@ def test_the_planners_chunk_is_the_log_probs_chunk():
     from megatron_rl.parallel.vocab import CHUNK_ELEMENTS
 
     assert LOGPROB_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+
+
+def test_lora_prices_a_frozen_base_trained_adapters_and_no_reference_copy():
+    """LoRA (`lora_rank`): the base as weights alone, the adapters as weights + fp32 grads +
+    Adam, the critic's value head trained too, the reference none (the actor's base), the
+    rewind copy the adapters and their optimizer alone."""
+    arch = preset_arch("qwen2.5-7b")
+    layout = dict(tensor_model_parallel_size=4, params_dtype="bf16", reference=True)
+    full = plan_memory(arch, MemoryPlanConfig(**layout))
+    lora = plan_memory(arch, MemoryPlanConfig(**layout, lora_rank=16))
+    adapters = arch.num_layers * lora_layer_param_count(arch, 16, 4)
+    assert lora.states["actor_grads"] == 4 * adapters
+    assert lora.states["critic_grads"] == 4 * (adapters + arch.hidden_size)
+    assert lora.states["actor_optimizer"] == 12 * adapters  # not sharded: no distributed opt.
+    assert lora.states["actor_weights"] == full.states["actor_weights"] + 2 * adapters
+    assert "reference_weights" in full.states and "reference_weights" not in lora.states
+    assert lora.rewind_host_bytes == 14 * adapters + 14 * (adapters + arch.hidden_size)
+    assert lora.states_bytes < full.states_bytes / 2
+    # on a mixture of experts only the attention is adapted: experts stay frozen
+    moe = preset_arch("qwen3-30b-a3b")
+    h, q = moe.hidden_size, moe.num_attention_heads * moe.head_dim
+    kv = moe.num_query_groups * moe.head_dim
+    assert lora_layer_param_count(moe, 8) == 8 * (h + q + 2 * kv) + 8 * (q + h)
+
+
+def test_the_32b_lora_recipe_fits_4_gpus_with_offload_and_not_without():
+    settings = recipe_settings("examples/qwen2.5-32b/vapo_lora.yaml")
+    arch = preset_arch("qwen2.5-32b")
+    assert settings["lora_rank"] == 32
+    plan = plan_memory(arch, MemoryPlanConfig(**settings))
+    assert plan.fits and plan.config.num_gpus == 4
+    assert not plan_memory(arch, MemoryPlanConfig(**{**settings, "offload": ()})).fits
+    assert not plan_memory(arch, MemoryPlanConfig(**{**settings, "lora_rank": 0})).fits

@@ -100,7 +100,19 @@ def recipe_settings(path: str) -> dict:
         vllm_gpu_memory_utilization=c.rollout.gpu_memory_utilization,
         vllm_tensor_parallel_size=c.rollout.vllm_tensor_parallel_size,
         offload=recipe_offload(c),
+        lora_rank=recipe_lora_rank(c),
     )
+
+
+def recipe_lora_rank(c) -> int:
+    """The recipe's LoRA rank: the plan prices one for the actor and the critic."""
+    rank = c.actor.lora.rank
+    if c.use_critic and c.critic.lora.rank != rank:
+        raise ValueError(
+            f"actor.lora.rank {rank} and critic.lora.rank {c.critic.lora.rank} differ: the "
+            "plan prices one LoRA rank for both (--lora-rank)"
+        )
+    return rank
 
 
 def breakdown(plan) -> str:
@@ -157,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", choices=["te", "local"], default="te")
     p.add_argument("--critic", action=argparse.BooleanOptionalAction)
     p.add_argument("--reference", action=argparse.BooleanOptionalAction)
+    p.add_argument(
+        "--lora-rank", type=int, help="LoRA on the actor and critic (0: full fine-tuning)"
+    )
     p.add_argument("--vllm-gpu-memory-utilization", type=_list(float))
     p.add_argument("--vllm-tp", type=int)
     p.add_argument("--vllm-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
@@ -198,6 +213,7 @@ def main(argv=None) -> int:
         "profile": a.profile,
         "critic": a.critic,
         "reference": a.reference,
+        "lora_rank": a.lora_rank,
         "vllm_tensor_parallel_size": a.vllm_tp,
         "vllm_sleep_mode": a.vllm_sleep_mode,
         "gpu_memory_gib": a.gpu_memory_gib,

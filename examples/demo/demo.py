@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -183,10 +184,42 @@ def read_curves(metrics_file: Path) -> dict:
     pretrain = [r.get("critic/vf_explained_var") for r in records if r["stage"] == "value_pretrain"]
     pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
+    step_s = [r["timing/step_s"] for r in train if "timing/step_s" in r]
+    peaks = [r["memory/train_peak_gib"] for r in train if "memory/train_peak_gib" in r]
+    cost = {  # what the run took: the median PPO step, the largest training-phase peak
+        "step_s": statistics.median(step_s) if step_s else float("nan"),
+        "train_peak_gib": max(peaks, default=float("nan")),
+    }
     # multi-turn tasks: tool calls per trajectory of the training rollouts
     tools = {r["step"]: r["rollout/multi_turn/tool_calls/mean"] for r in train
              if "rollout/multi_turn/tool_calls/mean" in r}  # fmt: skip
-    return {"reward": reward, "eval": evals, "pretrain_ev": pretrain_ev, "tool_calls": tools}
+    return {
+        "reward": reward, "eval": evals, "pretrain_ev": pretrain_ev, "tool_calls": tools,
+        "cost": cost, "checkpoint_mib": checkpoint_mib(metrics_file.parent),
+    }  # fmt: skip
+
+
+def checkpoint_mib(run_dir: Path) -> float:
+    """MiB of the run's newest checkpoint (its roles' model and optimizer shards)."""
+    steps = sorted((run_dir / "checkpoints").glob("step_*"))
+    if not steps:
+        return 0.0
+    return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file()) / 2**20
+
+
+def cost_table(arms: dict[str, dict[int, dict]]) -> str:
+    """Per recipe and seed: the held-out gain, the median step time, the training phase's
+    peak memory (tracked tensors, `memory/train_peak_gib`) and the last checkpoint's size."""
+    lines = ["recipe                    seed   gain  step s  train peak GiB  checkpoint MiB"]
+    for name, curves in arms.items():
+        for seed, c in curves.items():
+            ev = c["eval"]
+            lines.append(
+                f"{name:<24}  {seed:>4}  {ev[max(ev)] - ev[min(ev)]:+.2f}  "
+                f"{c['cost']['step_s']:6.2f}  {c['cost']['train_peak_gib']:14.3f}  "
+                f"{c['checkpoint_mib']:14.1f}"
+            )
+    return "\n".join(lines)
 
 
 def weak_critics(curves: dict[int, dict], floor: float) -> list[int]:
@@ -252,6 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--recipe", default=None, help="default: the task's VAPO recipe")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument(
+        "--beside",
+        help="another recipe run on the same warm start and seeds, alternating with --recipe; "
+        "its gains, step times, peak memory and checkpoint sizes are printed beside",
+    )
+    p.add_argument(
         "--min-gain", type=float, default=MIN_GAIN, help="held-out accuracy gain every seed needs"
     )
     p.add_argument(
@@ -280,12 +318,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[2/5] supervised warm start ({a.sft_steps or task.sft_steps} steps): {sft_dir}",
           flush=True)  # fmt: skip
     name = Path(recipe).stem
-    curves = {}
+    arms = {name: recipe, **({Path(a.beside).stem: a.beside} if a.beside else {})}
+    results = {arm: {} for arm in arms}
     for seed in seeds:
-        run_dir = a.dir / f"{name}-seed{seed}"
-        run_rl(recipe, sft_dir, run_dir, seed)
-        curves[seed] = read_curves(run_dir / "metrics.jsonl")
-        print(f"[3/5] {name} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)
+        for arm, arm_recipe in arms.items():
+            run_dir = a.dir / f"{arm}-seed{seed}"
+            run_rl(arm_recipe, sft_dir, run_dir, seed)
+            results[arm][seed] = read_curves(run_dir / "metrics.jsonl")
+            print(f"[3/5] {arm} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)
+    curves = results[name]
     png = a.dir / "reward_curve.png"
     title = f"Tiny {name} on {task.title} (2 CPU ranks, TP=2), seeds {a.seeds}"
     plot_curves(curves, png, title, task.accuracy)
@@ -293,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     table, failing = gain_table(curves, a.min_gain)
     print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
+    if a.beside:
+        print(f"beside {Path(a.beside).stem}, in this run:\n{cost_table(results)}", flush=True)
     for seed, c in curves.items():
         if c["tool_calls"]:
             steps = sorted(c["tool_calls"])

@@ -23,6 +23,8 @@ from megatron_rl.models.hf_mapping import _all_gather, hf_tensors_from_megatron,
 from megatron_rl.models.lora import LoRAConfig, lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
+PEFT_ADAPTER = "adapter"
+"""The adapter's directory inside a trainer's Hugging Face export (`hf/step_N/adapter`)."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 

@@ -90,6 +90,23 @@ def layer_param_count(arch: ModelArchitecture, tp: int = 1) -> int:
     return split // tp + replicated
 
 
+def lora_layer_param_count(arch: ModelArchitecture, rank: int, tp: int = 1) -> int:
+    """Adapter parameters of one layer on one of `tp` ranks, rank-`rank` LoRA on every
+    linear it adapts (`models/lora.py`): the attention's QKV and output projection, and a
+    dense model's MLP (experts are not adapted). A column-parallel linear keeps A [r, in]
+    whole and splits B [out, r]; a row-parallel one splits A and keeps B whole."""
+    h, q = arch.hidden_size, arch.num_attention_heads * arch.head_dim
+    kv = arch.num_query_groups * arch.head_dim
+    linears = [(h, q + 2 * kv, "column"), (q, h, "row")]  # (in, out, kind)
+    if not arch.is_moe:
+        f = arch.ffn_hidden_size
+        linears += [(h, 2 * f, "column"), (f, h, "row")]
+    count = 0
+    for fan_in, fan_out, kind in linears:
+        count += rank * (fan_in + fan_out // tp if kind == "column" else fan_in // tp + fan_out)
+    return count
+
+
 def expert_layer_param_count(arch: ModelArchitecture, etp: int = 1, ep: int = 1) -> int:
     """Expert parameters of one MoE layer on one rank: experts / `ep` of them, each SwiGLU
     split over `etp` expert-tensor-parallel ranks (0 for a dense model)."""

@@ -23,6 +23,7 @@ from megatron_rl.config import TrainConfig, to_dict
 from megatron_rl.data import PromptStream
 from megatron_rl.data.batch import mini_batches
 from megatron_rl.models.hf_export import save_hf_pretrained
+from megatron_rl.models.peft_export import PEFT_ADAPTER, save_peft_adapter
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel import distributed
 from megatron_rl.parallel.collectives import (
@@ -543,16 +544,26 @@ class RLTrainer:
 
     @in_phase("save_hf")
     def save_hf(self) -> Path:
-        """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`)."""
+        """The actor as a Hugging Face model in output_dir/hf/step_N (`trainer.save_hf_interval`);
+        a LoRA actor's merged, with its adapters beside it as a PEFT adapter of the base
+        (`step_N/adapter`)."""
         out = Path(self.config.trainer.output_dir) / HF_EXPORTS / f"step_{self.step:06d}"
         meta_dir = ModelSource(self.config.model.path).hf_dir
+        actor = self.roles.actor
+
+        def write(tmp: Path) -> None:
+            save_hf_pretrained(actor.chunks, actor.arch, "actor", meta_dir, tmp)
+            if actor.lora is not None:
+                adapter = tmp / PEFT_ADAPTER
+                if self.ctx.rank == 0:
+                    adapter.mkdir()
+                torch.distributed.barrier()
+                save_peft_adapter(
+                    actor.chunks, actor.arch, actor.lora, adapter, self.config.model.path
+                )
+
         with self.roles_resident():
-            save_hf_export(
-                out,
-                lambda tmp: save_hf_pretrained(
-                    self.roles.actor.chunks, self.roles.actor.arch, "actor", meta_dir, tmp
-                ),
-            )
+            save_hf_export(out, write)
         if self.ctx.rank == 0:
             print(f"saved Hugging Face model {out}", flush=True)
         return out

@@ -61,8 +61,9 @@ class UpdateSnapshot:
 
     @staticmethod
     def _params(chunks, optimizer) -> list[torch.Tensor]:
-        """Model params, then the main params that are other tensors (never one twice)."""
-        model = [p for chunk in chunks for p in chunk.parameters()]
+        """Trained model params (a frozen one, LoRA's base, never changes), then the main
+        params that are other tensors (never one twice)."""
+        model = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         seen = {id(p) for p in model}
         return model + [p for _, p in _main_params(optimizer) if id(p) not in seen]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.demo.demo import gain_table, plot_curves, read_curves, weak_critics
+from examples.demo.demo import cost_table, gain_table, plot_curves, read_curves, weak_critics
 from megatron_rl.rewards.math_reward import MathVerifierConfig, math_reward
 
 DATA = Path("examples/tiny/data")
@@ -30,7 +30,8 @@ def write_metrics(path, accuracies: dict[int, float]) -> None:
     ]
     lines.append({"stage": "eval", "step": 0, "eval/accuracy": accuracies[0]})
     for step in range(1, max(accuracies) + 1):
-        record = {"stage": "train", "step": step, "rollout/reward/mean": step / 10}
+        record = {"stage": "train", "step": step, "rollout/reward/mean": step / 10,
+                  "timing/step_s": 5.0 + step, "memory/train_peak_gib": 1.0 + step / 100}  # fmt: skip
         if step in accuracies:
             record["eval/accuracy"] = accuracies[step]
         lines.append(record)
@@ -201,3 +202,16 @@ def test_the_warm_start_leaves_the_tools_answers_out_of_its_loss(tiny_tools_mode
     assert batch.response_mask[0, 2 + a : 2 + b].sum() == 0
     assert batch.response_mask[0].sum() == len(ids) - (b - a)
     assert gold_response(tok, "The answer is 3.")[1] == []
+
+
+def test_the_cost_table_puts_each_recipe_beside_the_other(tmp_path):
+    """`--beside`: per recipe and seed, gain, median step time, peak memory, checkpoint size."""
+    write_metrics(tmp_path / "metrics.jsonl", {0: 0.2, 3: 0.5})  # steps of 6, 7, 8 s
+    (tmp_path / "checkpoints" / "step_000003" / "actor").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000003" / "actor" / "shard").write_bytes(b"x" * 2**20)
+    curves = read_curves(tmp_path / "metrics.jsonl")
+    assert curves["cost"] == {"step_s": 7.0, "train_peak_gib": 1.03}
+    assert curves["checkpoint_mib"] == 1.0
+    table = cost_table({"lora": {0: curves}, "full": {0: curves}}).splitlines()
+    assert table[1].split() == ["lora", "0", "+0.30", "7.00", "1.030", "1.0"]
+    assert table[2].split()[0] == "full"

@@ -19,8 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.launch import run_torchrun
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.presets import lora_layer_param_count
 from tests.tolerances import FP32_MODEL, assert_close
 from tests.torchrun.actor_critic import global_batch
+from tests.torchrun.lora_layouts import DENSE_LORA
 
 pytestmark = pytest.mark.distributed
 
@@ -105,11 +108,15 @@ def test_moe_attention_adapters_at_ep2_and_experts_refused(moe):
 
 @pytest.mark.parametrize("layout", ["single", *DENSE_LAYOUTS])
 def test_only_the_adapters_train(dense, layout):
-    _, out = dense
+    hf, out = dense
     r = torch.load(out / layout / "rank0.pt")
     assert r["trained"] and all(n.endswith((".lora_A", ".lora_B")) for n in r["trained"])
     assert r["frozen"] > 0
     assert r["ddp_numel"] == r["optimizer_numel"] == r["trained_numel"]
+    # the memory planner's count of them (rank 0 of PP2+VPP2 holds 2 of the 4 layers)
+    arch, tp = read_hf_config(hf), 2 if layout == "tp2_sp" else 1
+    layers = arch.num_layers // (2 if layout == "pp2_vpp2" else 1)
+    assert r["trained_numel"] == layers * lora_layer_param_count(arch, DENSE_LORA.rank, tp)
     assert r["frozen_grads"] == [] and r["update_ok"]
     heads = [n for n in r["critic_trained"] if not n.endswith((".lora_A", ".lora_B"))]
     # the value head trains in full (rank 0 of PP2 holds the first stage: no head)
