@@ -11,24 +11,23 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 
 
 @pytest.mark.parametrize(
-    "family, layout, vllm_tp, bucket_mb",
+    "family, layout, vllm_tp, bucket_mb, lora",
     [
-        (
-            "tiny-qwen2",
-            "tp2",
-            2,
-            512.0,
-        ),  # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
-        ("tiny-qwen2", "pp2", 1, 0.01),  # PP=2 -> an engine per rank; buckets < largest tensor
-        ("qwen3", "tp2", 2, 512.0),  # q/k norms reach vLLM too
+        # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
+        ("tiny-qwen2", "tp2", 2, 512.0, False),
+        # PP=2 -> an engine per rank; buckets < largest tensor
+        ("tiny-qwen2", "pp2", 1, 0.01, False),
+        ("qwen3", "tp2", 2, 512.0, False),  # q/k norms reach vLLM too
         # Experts trained at EP2 (each rank sends its own), an engine per rank; and TP2+SP
         # with EP2 into one engine of vLLM TP 2 (each expert split over both engine ranks).
-        ("qwen3-moe", "ep2", 1, 0.01),
-        ("mixtral", "tp2_sp_ep2", 2, 512.0),
+        ("qwen3-moe", "ep2", 1, 0.01, False),
+        ("mixtral", "tp2_sp_ep2", 2, 512.0, False),
+        # LoRA adapters trained at TP=2: the engine gets the merged weights W + s B A
+        ("tiny-qwen2", "tp2", 2, 512.0, True),
     ],
 )
 def test_sync_makes_engine_logprobs_equal_the_updated_actor(
-    tiny_model_dir, family_dir, tmp_path, family, layout, vllm_tp, bucket_mb
+    tiny_model_dir, family_dir, tmp_path, family, layout, vllm_tp, bucket_mb, lora
 ):
     out = tmp_path / "sync.pt"
     hf_dir = tiny_model_dir if family == "tiny-qwen2" else family_dir(family)
@@ -43,6 +42,7 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
         str(vllm_tp),
         "--bucket-mb",
         str(bucket_mb),
+        *(["--lora"] if lora else []),
     ]
     run_torchrun("tests.torchrun.weight_sync", args, nproc=2, timeout=400)
     r = torch.load(out)

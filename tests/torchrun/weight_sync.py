@@ -1,4 +1,5 @@
 """torchrun worker: two actor updates, then a weight sync; engine and actor log-probs agree.
+With --lora the actor trains adapters and the engine gets its merged weights.
 
 Megatron layout (--layout, LAYOUTS) and the colocated vLLM engine's TP (--vllm-tp; the engine
 runs inside the torchrun world via vLLM's external launcher) are independent. Rank 0 writes
@@ -15,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron_rl.data.batch import samples_to_batch
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader
+from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
@@ -49,12 +51,15 @@ def main():
     p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
     p.add_argument("--vllm-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--lora", action="store_true", help="a LoRA actor: its merged weights sync")
     a = p.parse_args()
     arch = read_hf_config(a.hf_dir)
     layout = LAYOUTS[a.layout]
     ctx = distributed.initialize(layout, arch=arch)
-    actor = Actor(
-        RoleModel(arch, layout, model_path=a.hf_dir), optim=OptimConfig(lr=1e-3, weight_decay=0.0)
+    lora = LoRAConfig(rank=8, alpha=16.0) if a.lora else None
+    actor = Actor(  # adapters start at B = 0: a larger step moves the policy as much
+        RoleModel(arch, layout, model_path=a.hf_dir, lora=lora),
+        optim=OptimConfig(lr=2e-2 if a.lora else 1e-3, weight_decay=0.0),
     )
     engine = VLLMEngine(
         a.hf_dir,
