@@ -101,12 +101,19 @@ def launch_self(module: str, argv: list[str], nproc: int, extra: list[str]) -> N
 
 def load_megatron_checkpoint(ckpt_dir: Path, layout):
     """Build this rank's chunks for the checkpoint's role and load them at `layout` (any
-    TP/PP: megatron's sharded tensors reshard on load). Needs distributed.initialize first."""
+    TP/PP: megatron's sharded tensors reshard on load); a LoRA checkpoint's adapters merged
+    into its base. Needs distributed.initialize first."""
     from megatron_rl.models.critic import build_critic_chunks
     from megatron_rl.models.gpt import build_gpt_model_chunks
+    from megatron_rl.models.source import ModelSource
 
     meta, arch = read_metadata(ckpt_dir)
-    build = build_critic_chunks if meta["role"] == "critic" else build_gpt_model_chunks
+    critic = meta["role"] == "critic"
+    build = build_critic_chunks if critic else build_gpt_model_chunks
     chunks = build(arch, layout, use_transformer_engine=False)
-    dist_checkpoint.load_role(chunks, None, ckpt_dir)
+    source = ModelSource(ckpt_dir)
+    if source.lora:  # adapters alone: its base, the adapters merged in
+        (source.load_critic if critic else source.load_policy)(chunks, arch)
+    else:
+        dist_checkpoint.load_role(chunks, None, ckpt_dir)
     return chunks, arch, meta

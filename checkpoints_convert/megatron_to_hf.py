@@ -9,6 +9,10 @@ checkpoint). The checkpoint is loaded at --tp/--pp (and --ep/--etp for a mixture
 any layout: more processes, less memory each). Each pipeline stage streams its tensors, TP shards gathered one parameter at a time,
 into safetensors files of at most --max-shard-mb; vocabulary padding is removed. Actors export
 as causal LMs, critics as sequence-classification models (`score.weight`, one label).
+
+A LoRA training checkpoint (`actor.lora`: it holds the adapters alone) exports merged into
+the base model it was trained from (its `source`), or with --adapter as a PEFT adapter
+directory of that base (`adapter_config.json`, `adapter_model.safetensors`; an actor's).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ def parse_args(argv):
     add_layout_args(p)
     p.add_argument("--max-shard-mb", type=int, default=4096)
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument(
+        "--adapter", action="store_true", help="a LoRA checkpoint's adapters as a PEFT directory"
+    )
     p.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -52,11 +59,30 @@ def worker(args) -> None:
 
     layout, _ = checked_layout(args, read_metadata(args.ckpt_dir)[1])
     distributed.initialize(layout)
+    if args.adapter:
+        return adapter_worker(args, layout)
     chunks, arch, meta = load_megatron_checkpoint(args.ckpt_dir, layout)
     max_bytes = args.max_shard_mb * 2**20
     save_hf_pretrained(
         chunks, arch, meta["role"], args.ckpt_dir / HF_META_SUBDIR, args.work_dir, max_bytes
     )
+    distributed.destroy()
+
+
+def adapter_worker(args, layout) -> None:
+    """The adapters alone, as PEFT's directory (the base weights are never read)."""
+    from megatron_rl.models.dist_checkpoint import load_role
+    from megatron_rl.models.gpt import build_gpt_model_chunks
+    from megatron_rl.models.lora import LoRAConfig, apply_lora
+    from megatron_rl.models.peft_export import save_peft_adapter
+    from megatron_rl.parallel import distributed
+
+    meta, arch = read_metadata(args.ckpt_dir)
+    lora = LoRAConfig(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+    chunks = build_gpt_model_chunks(arch, layout, use_transformer_engine=False)
+    apply_lora(chunks, lora)
+    load_role(chunks, None, args.ckpt_dir)
+    save_peft_adapter(chunks, arch, lora, args.work_dir, meta["source"])
     distributed.destroy()
 
 
@@ -89,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     args.ckpt_dir = role_dir(args.ckpt_dir, args.role)
     argv = [*argv, "--ckpt-dir", str(args.ckpt_dir)]  # the workers load the resolved one
     meta, arch = read_metadata(args.ckpt_dir)
+    if args.adapter and not (meta.get("lora") and meta["role"] == "actor"):
+        fail(f"--adapter: {args.ckpt_dir} is not a LoRA actor checkpoint (it has no lora)")
     _, world = checked_layout(args, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:
         launch_self(__spec__.name, argv, world, ["--work-dir", str(tmp)])

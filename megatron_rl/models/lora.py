@@ -149,6 +149,8 @@ class _LoRALinear:
     lora_enabled: bool = True
     lora_axes: dict[str, int]
     """The tensor-parallel axis of each sharded parameter (the checkpoint's)."""
+    base_class: type
+    """The megatron-core linear this class adapts (`merge_and_unload` turns it back)."""
 
     def lora_delta(self) -> torch.Tensor:
         """s B A of this rank's shard, shaped as its weight."""
@@ -201,6 +203,7 @@ def _column_class(base: type) -> type:
                 h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             return output + self.lora_scale * torch.nn.functional.linear(h, self.lora_B), bias
 
+    LoRAColumnParallelLinear.base_class = base
     return LoRAColumnParallelLinear
 
 
@@ -221,6 +224,7 @@ def _row_class(base: type) -> type:
                 h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
             return output + self.lora_scale * torch.nn.functional.linear(h, self.lora_B), bias
 
+    LoRARowParallelLinear.base_class = base
     return LoRARowParallelLinear
 
 
@@ -373,3 +377,14 @@ def adapters_disabled(chunks: list):
     finally:
         for m in modules:
             m.lora_enabled = True
+
+
+def merge_and_unload(chunks: list) -> None:
+    """Fold every adapter into its base weight (W <- W + s B A, this rank's shard) and make
+    each adapted linear its plain megatron-core class again, adapter parameters gone (PEFT's
+    `merge_and_unload`). What trains afterwards is the caller's to set."""
+    for _, _, m in list(lora_modules(chunks)):
+        with torch.no_grad():
+            m.weight.copy_(m.merged_weight())
+        del m.lora_A, m.lora_B
+        m.__class__ = m.base_class

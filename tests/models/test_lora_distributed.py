@@ -10,6 +10,9 @@ one process (tests/torchrun/lora_layouts.py sets the same adapted model at every
 - one step at TP2+SP, PP2+VPP2, DP2 moves the adapters as one process does;
 - a checkpoint holds the adapters alone and resumes at another layout."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from peft import PeftModel
@@ -17,9 +20,11 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
+from checkpoints_convert.lora import LoraMergedReader
 from examples.tiny_model import TinyModelSpec, make_tiny_model
 from megatron_rl.launch import run_torchrun
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_mapping import HFCheckpointReader
 from megatron_rl.models.presets import lora_layer_param_count
 from tests.tolerances import FP32_MODEL, assert_close
 from tests.torchrun.actor_critic import global_batch
@@ -147,3 +152,33 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_at_another_layout(dense
     assert sorted(saved) == sorted(resumed)
     for k in saved:
         assert torch.equal(saved[k], resumed[k]), k
+
+
+def test_converters_export_the_checkpoint_merged_and_as_its_adapter_and_import_it_back(
+    dense, tmp_path
+):
+    """`megatron_to_hf` on the adapters-only checkpoint: merged into its base (= PEFT's
+    merge of the same adapter), and with --adapter the adapter itself; `hf_to_megatron
+    --lora-dir`'s reader merges that adapter into the base to the same tensors."""
+    hf, out = dense
+    ckpt, saved = out / "ckpt", out / "tp2_sp" / "stepped"
+    for extra, dest in (([], "merged"), (["--adapter"], "adapter")):
+        cmd = ["--ckpt-dir", str(ckpt), "--out-dir", str(tmp_path / dest), *extra]
+        subprocess.run(
+            [sys.executable, "-m", "checkpoints_convert.megatron_to_hf", *cmd],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(saved / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(adapter)
+    assert all(torch.equal(exported[k], adapter[k]) for k in adapter)
+    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    peft_merged = PeftModel.from_pretrained(base, saved).merge_and_unload().state_dict()
+    converted = HFCheckpointReader(tmp_path / "merged")
+    reimported = LoraMergedReader(HFCheckpointReader(hf), tmp_path / "adapter")
+    assert sorted(converted.keys()) == sorted(peft_merged)
+    for name, tensor in peft_merged.items():
+        assert_close(converted(name), tensor, FP32_MODEL, name)
+        assert_close(reimported(name), tensor, FP32_MODEL, name)

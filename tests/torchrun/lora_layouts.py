@@ -9,8 +9,9 @@ layer), and writes (rank 0 unless said):
   gradients, the critic's trained parameters;
 - `{layout}/adapter/`: the adapters as a PEFT directory; `{layout}/stepped/`: after one
   optimizer step; `{layout}/merged.pt`: the merged HF tensors (the weight sync's stream);
-- with --save-from LAYOUT: that layout's checkpoint after its step (`ckpt/`), which every
-  later layout loads into a fresh actor and exports (`{layout}/resumed/`).
+- with --save-from LAYOUT: that layout's checkpoint after its step (`ckpt/`, with the
+  metadata of a training checkpoint's actor), which every later layout loads into a fresh
+  actor and exports (`{layout}/resumed/`).
 """
 
 import argparse
@@ -20,7 +21,13 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megatron_rl.models.dist_checkpoint import load_role, save_role
+from megatron_rl.models.dist_checkpoint import (
+    HF_META_SUBDIR,
+    copy_side_files,
+    load_role,
+    save_role,
+    write_metadata,
+)
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import fc1_shard
 from megatron_rl.models.lora import LoRAConfig, global_layer_name, lora_modules
@@ -115,8 +122,11 @@ def run_layout(name, arch, hf_dir, batch, out, save_from):
     ]
     result["stepped_on"] = actor.compute_logprobs(local, 2)
     save_peft_adapter(actor.chunks, arch, lora, mkdir(here / "stepped"), hf_dir)
-    if name == save_from:
+    if name == save_from:  # a training checkpoint's actor directory, as the trainer writes it
         save_role(actor.chunks, actor.optimizer, out / "ckpt")
+        if ctx.rank == 0:
+            write_metadata(out / "ckpt", "actor", arch, source=hf_dir, lora=lora.to_dict())
+            copy_side_files(Path(hf_dir), out / "ckpt" / HF_META_SUBDIR)
     elif (out / "ckpt").exists():
         fresh = Actor(model, optim=OPTIM)
         load_role(fresh.chunks, fresh.optimizer, out / "ckpt")
