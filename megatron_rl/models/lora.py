@@ -149,22 +149,18 @@ class _LoRALinear:
     lora_enabled: bool = True
     lora_axes: dict[str, int]
     """The tensor-parallel axis of each sharded parameter (the checkpoint's)."""
+    lora_gated: bool = False
+    """A gated MLP's linear_fc1: each TP shard of B holds [gate_r; up_r], as its weight."""
     base_class: type
     """The megatron-core linear this class adapts (`merge_and_unload` turns it back)."""
-
-    def lora_delta(self) -> torch.Tensor:
-        """s B A of this rank's shard, shaped as its weight."""
-        return self.lora_scale * (self.lora_B @ self.lora_A)
 
     def merged_weight(self) -> torch.Tensor:
         """W + s B A of this rank's shard (detached; W alone while adapters are off)."""
         weight = self.weight.detach()
         if not self.lora_enabled:
             return weight
-        return weight + self.lora_delta().detach().to(weight.dtype)
-
-    lora_gated: bool = False
-    """A gated MLP's linear_fc1: each TP shard of B holds [gate_r; up_r], as its weight."""
+        delta = self.lora_scale * (self.lora_B.detach() @ self.lora_A.detach())
+        return weight + delta.to(weight.dtype)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         # why: megatron-core takes seconds to import: loaded on first use
@@ -271,7 +267,6 @@ def global_layer_name(chunk, name: str) -> str:
 
 def _adapt(module, config: LoRAConfig, column: bool, name: str, seed: int) -> None:
     """Give `module` (already of its LoRA class) its A and B, sharded like its weight."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     weight = module.weight
@@ -288,7 +283,7 @@ def _adapt(module, config: LoRAConfig, column: bool, name: str, seed: int) -> No
     split, whole = (module.lora_B, module.lora_A) if column else (module.lora_A, module.lora_B)
     set_tensor_model_parallel_attributes(split, True, 0 if column else 1, 1)
     set_tensor_model_parallel_attributes(whole, False, 0, 1)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1 and module.sequence_parallel:
+    if tp > 1 and module.sequence_parallel:
         whole.sequence_parallel = True  # its gradient is summed over TP (finalize_model_grads)
     module.lora_scale = config.scale
     module.lora_gated = column and name.endswith("linear_fc1") and module.config.gated_linear_unit
@@ -299,8 +294,8 @@ def _adapt(module, config: LoRAConfig, column: bool, name: str, seed: int) -> No
 
 def apply_lora(chunks: list, config: LoRAConfig, seed: int | None = None) -> list[str]:
     """Adapt every targeted linear of `chunks` (this rank's GPTModel chunks, not yet wrapped
-    in DDP) in place and freeze every other parameter, except the critic's value head
-    (`keep_trainable`: parameter names ending so). `seed`: A's initialisation (default
+    in DDP) in place and freeze every other parameter, except a critic's value head, which
+    trains in full. `seed`: A's initialisation (default
     `torch.initial_seed()`, the run's seed on every rank). Returns the adapted layers'
     global names. Raises ValueError naming a targeted linear it cannot adapt."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
