@@ -155,12 +155,13 @@ class _LoRALinear:
     """The megatron-core linear this class adapts (`merge_and_unload` turns it back)."""
 
     def merged_weight(self) -> torch.Tensor:
-        """W + s B A of this rank's shard (detached; W alone while adapters are off)."""
+        """W + s B A of this rank's shard (detached; W alone while adapters are off),
+        summed in fp32 and rounded once to the weight's dtype."""
         weight = self.weight.detach()
         if not self.lora_enabled:
             return weight
-        delta = self.lora_scale * (self.lora_B.detach() @ self.lora_A.detach())
-        return weight + delta.to(weight.dtype)
+        delta = self.lora_B.detach().float() @ self.lora_A.detach().float()
+        return (weight.float() + self.lora_scale * delta).to(weight.dtype)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         # why: megatron-core takes seconds to import: loaded on first use
