@@ -10,7 +10,9 @@ PyTorch training step, side by side.
 Arms, on the same tokens with one optimizer step each: `plain_megatron`, megatron's fused
 cross-entropy (`labels=`) averaged over response tokens, with the actor's model chunks, DDP
 and optimizer; `ppo_update`, `Actor.update` (chunked log-probs and entropy, clip-higher PPO,
-positive-sample NLL, global token normalisation); on one device, `peer_hf`, what a user of
+positive-sample NLL, global token normalisation); with --lora-rank R, `ppo_update_lora`,
+the same update of a LoRA actor (rank R on every linear, the base frozen); on one device,
+`peer_hf`, what a user of
 plain PyTorch runs (`tools/bench_peer.py`: transformers + SDPA + fused AdamW, `--peer`
 precision). Arms alternate step by step in one process, so machine noise hits all of them;
 ratios of median step times compare them. `--memory` adds each arm's peak memory measured
@@ -37,6 +39,7 @@ from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.lm_head import emit_hidden_states
+from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -115,7 +118,7 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
     actor.optimizer.step()
 
 
-ARMS = ("plain_megatron", "ppo_update", "peer_hf")
+ARMS = ("plain_megatron", "ppo_update", "ppo_update_lora", "peer_hf")
 
 
 def main(argv=None) -> None:
@@ -148,6 +151,7 @@ def main(argv=None) -> None:
         help="every arm alone in a process of its own, for speed and memory (shapes where "
         "two models' states and activations do not fit one device together)",
     )
+    p.add_argument("--lora-rank", type=int, default=0, help="add the LoRA actor's update")
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child: one arm alone
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
@@ -164,7 +168,9 @@ def main(argv=None) -> None:
     if a.peer != "none" and ctx.world_size > 1:
         raise SystemExit(f"--peer {a.peer} runs on one device; this job has {ctx.world_size}")
     baseline = resident_bytes()
-    names = [a.arm] if a.arm else [n for n in ARMS if n != "peer_hf" or a.peer != "none"]
+    skipped = {"peer_hf"} if a.peer == "none" else set()
+    skipped |= set() if a.lora_rank else {"ppo_update_lora"}
+    names = [a.arm] if a.arm else [n for n in ARMS if n not in skipped]
     sequences = a.micro_batch_size * a.num_microbatches
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
     median = {}
@@ -208,6 +214,14 @@ def main(argv=None) -> None:
             )
         if a.apart and torch.cuda.is_available() and "peak_bytes" in alone.get("ppo_update", {}):
             result.update(memory_vs_plan(arch, a, ctx, alone["ppo_update"]["peak_bytes"]))
+    if a.lora_rank:
+        result["lora_rank"] = a.lora_rank
+    if {"ppo_update", "ppo_update_lora"} <= set(median):
+        result["ratio_lora_over_ppo"] = round(median["ppo_update_lora"] / median["ppo_update"], 4)
+    if {"ppo_update_peak_gib", "ppo_update_lora_peak_gib"} <= set(result):
+        result["memory_lora_over_ppo"] = round(
+            result["ppo_update_lora_peak_gib"] / result["ppo_update_peak_gib"], 4
+        )
     if {"ppo_update", "plain_megatron"} <= set(median):
         result["ratio_ppo_over_plain"] = round(median["ppo_update"] / median["plain_megatron"], 4)
     if {"ppo_update", "peer_hf"} <= set(median):
@@ -227,16 +241,21 @@ def main(argv=None) -> None:
 def build_arms(names, arch, layout, a, batch) -> dict:
     """The step functions of the arms `names` (the actor built only when an arm needs it)."""
     arms = {}
+    precision = PrecisionConfig(
+        params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
+    )
+    loss_cfg = PolicyLossConfig(nll_coef=0.1)
     if {"plain_megatron", "ppo_update"} & set(names):
-        precision = PrecisionConfig(
-            params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
-        )
         actor = Actor(RoleModel(arch, layout, precision=precision), optim=OptimConfig())
-        loss_cfg = PolicyLossConfig(nll_coef=0.1)
         if "plain_megatron" in names:
             arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)
         if "ppo_update" in names:
             arms["ppo_update"] = lambda: actor.update(batch, loss_cfg, a.num_microbatches)
+    if "ppo_update_lora" in names:
+        lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
+        model = RoleModel(arch, layout, precision=precision, lora=lora)
+        lora_actor = Actor(model, optim=OptimConfig())
+        arms["ppo_update_lora"] = lambda: lora_actor.update(batch, loss_cfg, a.num_microbatches)
     if "peer_hf" in names:
         arms["peer_hf"] = peer_step(a.preset, a.peer, batch, a.num_microbatches)
     return arms

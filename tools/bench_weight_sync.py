@@ -7,7 +7,9 @@ One process (or torchrun world) holds the policy as Megatron chunks and a coloca
 engine, as the trainer does. Three arms alternate, each moving the model's bytes once:
   - memcpy: `dst.copy_(src)` of a buffer as large as the engine's weights (the ceiling);
   - export: the Megatron side alone (TP all-gather, HF renaming, PP broadcast, dtype cast);
-  - sync: `megatron_rl.sync.weight_sync.sync_weights`, export + vLLM's in-place reload.
+  - sync: `megatron_rl.sync.weight_sync.sync_weights`, export + vLLM's in-place reload;
+  - sync_lora (with --lora-rank R): the same sync of a LoRA policy (rank R on every linear),
+    whose adapted linears are exported merged, W + s B A per shard.
 Prints GB/s of each and sync/memcpy; one JSON line, appended to --out. The checkpoint is a
 random one of the preset's shape (values do not matter for the speed).
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.hf_mapping import expected_hf_shapes
+from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout.types import EngineConfig
@@ -45,6 +48,7 @@ def main(argv=None) -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=WeightSyncConfig.bucket_mb)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--lora-rank", type=int, default=0, help="also time a LoRA policy's sync")
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
 
@@ -62,6 +66,9 @@ def main(argv=None) -> None:
             make_tiny_model(work / "model", spec_for_preset(a.preset, max_position=2048))
         hf_dir = _rank0_path(work / "model" if work else None, ctx)
         policy = ReferencePolicy(RoleModel(arch, layout, model_path=hf_dir))
+        if a.lora_rank:
+            lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
+            adapted = ReferencePolicy(RoleModel(arch, layout, model_path=hf_dir, lora=lora))
         engine = VLLMEngine(
             hf_dir,
             EngineConfig(
@@ -83,14 +90,14 @@ def main(argv=None) -> None:
             for _ in checked(stream, expected, engine.dtype):
                 pass
 
-        seconds = alternate(
-            {
-                "memcpy": lambda: dst.copy_(src),
-                "export": export,
-                "sync": lambda: sync_weights(policy, engine, config),
-            },
-            a.steps,
-        )
+        arms = {
+            "memcpy": lambda: dst.copy_(src),
+            "export": export,
+            "sync": lambda: sync_weights(policy, engine, config),
+        }
+        if a.lora_rank:
+            arms["sync_lora"] = lambda: sync_weights(adapted, engine, config)
+        seconds = alternate(arms, a.steps)
         engine.shutdown()
     finally:
         if work is not None:
@@ -109,6 +116,9 @@ def main(argv=None) -> None:
             "ratio_sync_over_memcpy_gb_per_s": round(gbps["sync"] / gbps["memcpy"], 4),
             "export_share_of_sync": round(seconds["export"] / seconds["sync"], 4),
         }
+        if a.lora_rank:
+            result["lora_rank"] = a.lora_rank
+            result["ratio_sync_lora_over_sync_s"] = round(seconds["sync_lora"] / seconds["sync"], 4)
         record("weight_sync", result, a.out)
     distributed.destroy()
 

@@ -25,6 +25,8 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         "32",
         "--tp",
         "2",
+        "--lora-rank",
+        "8",
         "--out",
         str(out),
     ]
@@ -34,6 +36,10 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
     assert result["layout"] == "TP2PP1DP1" and result["tokens_per_step"] == 4 * 32
     for key in ("ratio_ppo_over_plain", "plain_megatron_tokens_per_s", "ppo_update_tokens_per_s"):
         assert result[key] > 0
+    assert result["lora_rank"] == 8 and result["ppo_update_lora_tokens_per_s"] > 0
+    assert result["ratio_lora_over_ppo"] == pytest.approx(
+        result["ppo_update_lora_s"] / result["ppo_update_s"], rel=0.03
+    )
     assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
 
 
@@ -44,13 +50,17 @@ def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_p
     peak memory measured alone in a child process (`--apart`: its speed too)."""
     out = tmp_path / "results.jsonl"
     args = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--seq-length", "32"]
+    args += ["--lora-rank", "8"]
     run_torchrun("tools.bench_train_step", [*args, mode, "--out", str(out)], nproc=1)
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
     assert result["peer"] == "fp32" and result["layout"] == "TP1PP1DP1"
     assert result["arms"] == ("apart" if mode == "--apart" else "alternating")
-    for arm in ("plain_megatron", "ppo_update", "peer_hf"):
+    for arm in ("plain_megatron", "ppo_update", "ppo_update_lora", "peer_hf"):
         assert result[f"{arm}_tokens_per_s"] > 0 and result[f"{arm}_peak_gib"] > 0
+    assert result["memory_lora_over_ppo"] == pytest.approx(
+        result["ppo_update_lora_peak_gib"] / result["ppo_update_peak_gib"], rel=0.03
+    )
     # the ratios are of the unrounded figures; the printed ones are rounded (4 decimals)
     assert result["speed_ppo_over_peer"] == pytest.approx(
         result["peer_hf_s"] / result["ppo_update_s"], rel=0.03
