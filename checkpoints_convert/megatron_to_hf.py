@@ -78,7 +78,7 @@ def adapter_worker(args, layout) -> None:
     from megatron_rl.parallel import distributed
 
     meta, arch = read_metadata(args.ckpt_dir)
-    lora = LoRAConfig(**{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])})
+    lora = LoRAConfig.from_dict(meta["lora"])
     chunks = build_gpt_model_chunks(arch, layout, use_transformer_engine=False)
     apply_lora(chunks, lora)
     load_role(chunks, None, args.ckpt_dir)

@@ -139,7 +139,12 @@ class LoRAConfig:
         return frozenset(targets)
 
     def to_dict(self) -> dict:
+        """As a checkpoint's `megatron_rl.json` records it (`from_dict` reads it back)."""
         return {**asdict(self), "target_modules": list(self.target_modules)}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> LoRAConfig:
+        return cls(**{**saved, "target_modules": tuple(saved["target_modules"])})
 
 
 class _LoRALinear:

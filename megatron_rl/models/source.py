@@ -98,9 +98,7 @@ class ModelSource:
             )
         load_base(ModelSource(base))
         trains = [p.requires_grad for chunk in chunks for p in chunk.parameters()]
-        lora = LoRAConfig(
-            **{**meta["lora"], "target_modules": tuple(meta["lora"]["target_modules"])}
-        )
+        lora = LoRAConfig.from_dict(meta["lora"])
         apply_lora(chunks, lora)
         if skip:  # a policy's adapters into a critic: its value head stays as initialised
             for chunk in chunks:
