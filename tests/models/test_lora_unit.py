@@ -65,3 +65,21 @@ def test_the_run_config_takes_lora_per_role(tiny_model_dir):
     validate_config(load_config("examples/tiny/vapo.yaml", kl), 2)
     with pytest.raises(ConfigError, match="ref_param_offload=true with actor.lora"):
         validate_config(load_config("examples/tiny/vapo.yaml", [*kl, "actor.lora.rank=8"]), 2)
+
+
+def test_a_checkpoint_records_its_adapters_and_resumes_only_into_the_same(tmp_path):
+    import json
+
+    from megatron_rl.trainer.checkpoint import check_same_adapters
+
+    lora = LoRAConfig(rank=8, alpha=32, target_modules=("q_proj", "k_proj", "v_proj"))
+    assert LoRAConfig.from_dict(json.loads(json.dumps(lora.to_dict()))) == lora
+    (tmp_path / "megatron_rl.json").write_text(json.dumps({"lora": lora.to_dict()}))
+    check_same_adapters(tmp_path, lora)
+    for other in (None, LoRAConfig(rank=16, alpha=32), LoRAConfig(rank=8, alpha=16)):
+        with pytest.raises(ValueError, match="resume with the same adapters"):
+            check_same_adapters(tmp_path, other)
+    (tmp_path / "megatron_rl.json").write_text(json.dumps({"role": "actor"}))  # a full one
+    check_same_adapters(tmp_path, None)
+    with pytest.raises(ValueError, match="saved with lora None"):
+        check_same_adapters(tmp_path, lora)
