@@ -1,5 +1,5 @@
 """Distributed tier: LoRA adapters on the Megatron linears (`models/lora.py`) at TP2+SP,
-PP2+VPP2, DP2 and, on a mixture of experts, EP2, against Hugging Face + PEFT and against
+TP2, PP2+VPP2, DP2 and, on a mixture of experts, EP2, against Hugging Face + PEFT and against
 one process (tests/torchrun/lora_layouts.py sets the same adapted model at every layout).
 
 - the log-probs with adapters equal PEFT's on the exported adapter (`models/peft_export.py`);
@@ -7,7 +7,7 @@ one process (tests/torchrun/lora_layouts.py sets the same adapted model at every
 - the merged weights (what the weight sync sends) are the adapted model as a plain one;
 - only adapters train: DDP's buffers and the optimizer hold them alone, no frozen weight
   has a gradient; the critic's value head trains too;
-- one step at TP2+SP, PP2+VPP2, DP2 moves the adapters as one process does;
+- one step at TP2+SP, TP2, PP2+VPP2, DP2 moves the adapters as one process does;
 - a checkpoint holds the adapters alone and resumes at another layout."""
 
 import subprocess
@@ -32,7 +32,7 @@ from tests.torchrun.lora_layouts import DENSE_LORA
 
 pytestmark = pytest.mark.distributed
 
-DENSE_LAYOUTS = ("tp2_sp", "pp2_vpp2", "dp2")
+DENSE_LAYOUTS = ("tp2_sp", "tp2", "pp2_vpp2", "dp2")
 WORKER = "tests.torchrun.lora_layouts"
 
 
@@ -119,7 +119,7 @@ def test_only_the_adapters_train(dense, layout):
     assert r["frozen"] > 0
     assert r["ddp_numel"] == r["optimizer_numel"] == r["trained_numel"]
     # the memory planner's count of them (rank 0 of PP2+VPP2 holds 2 of the 4 layers)
-    arch, tp = read_hf_config(hf), 2 if layout == "tp2_sp" else 1
+    arch, tp = read_hf_config(hf), 2 if layout.startswith("tp2") else 1
     layers = arch.num_layers // (2 if layout == "pp2_vpp2" else 1)
     assert r["trained_numel"] == layers * lora_layer_param_count(arch, DENSE_LORA.rank, tp)
     assert r["frozen_grads"] == [] and r["update_ok"]

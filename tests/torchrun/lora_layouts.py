@@ -45,6 +45,7 @@ Layout = distributed.ParallelLayout
 LAYOUTS = {
     "single": Layout(),
     "dp2": Layout(),
+    "tp2": Layout(tensor_model_parallel_size=2),
     "tp2_sp": Layout(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2_vpp2": Layout(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
     "ep2": Layout(expert_model_parallel_size=2),
