@@ -73,12 +73,12 @@ def adapter_worker(args, layout) -> None:
     """The adapters alone, as PEFT's directory (the base weights are never read)."""
     from megatron_rl.models.dist_checkpoint import load_role
     from megatron_rl.models.gpt import build_gpt_model_chunks
-    from megatron_rl.models.lora import LoRAConfig, apply_lora
+    from megatron_rl.models.lora import LORA_METADATA, LoRAConfig, apply_lora
     from megatron_rl.models.peft_export import save_peft_adapter
     from megatron_rl.parallel import distributed
 
     meta, arch = read_metadata(args.ckpt_dir)
-    lora = LoRAConfig.from_dict(meta["lora"])
+    lora = LoRAConfig.from_dict(meta[LORA_METADATA])
     chunks = build_gpt_model_chunks(arch, layout, use_transformer_engine=False)
     apply_lora(chunks, lora)
     load_role(chunks, None, args.ckpt_dir)
@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> None:
     args.ckpt_dir = role_dir(args.ckpt_dir, args.role)
     argv = [*argv, "--ckpt-dir", str(args.ckpt_dir)]  # the workers load the resolved one
     meta, arch = read_metadata(args.ckpt_dir)
-    if args.adapter and not (meta.get("lora") and meta["role"] == "actor"):
+    # why: torch and the model code load only once the arguments are known to be good
+    from megatron_rl.models.lora import LORA_METADATA
+
+    if args.adapter and not (meta.get(LORA_METADATA) and meta["role"] == "actor"):
         fail(f"--adapter: {args.ckpt_dir} is not a LoRA actor checkpoint (it has no lora)")
     _, world = checked_layout(args, arch)
     with atomic_output_dir(args.out_dir, args.overwrite) as tmp:

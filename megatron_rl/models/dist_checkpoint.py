@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
+from megatron_rl.models.lora import is_adapted
 from megatron_rl.procutil import outlive_job_signals
 
 METADATA = "megatron_rl.json"
@@ -89,9 +90,6 @@ def _trained_only(module) -> dict:
 
 
 def _sharded_state(chunks: list, optimizer, is_loading: bool) -> dict:
-    # why: megatron-core takes seconds to import: loaded on first use
-    from megatron_rl.models.lora import is_adapted
-
     state_of = _trained_only if is_adapted(chunks) else (lambda m: m.sharded_state_dict())
     model = {f"chunk{i}": state_of(m) for i, m in enumerate(_modules(chunks))}
     state = {"model": model}
@@ -287,8 +285,6 @@ def _load_trained(module, state: dict, model_dir: Path) -> None:
 def _load(chunks: list, optimizer, model_dir: Path, skip: tuple[str, ...]) -> None:
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
-
-    from megatron_rl.models.lora import is_adapted
 
     has_state = optimizer is not None and _holds_optimizer_state(model_dir)
     saved_optimizer = optimizer if has_state else None

@@ -42,6 +42,7 @@ from safetensors import safe_open
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.critic import ValueHead
 from megatron_rl.models.gpt import layer_offset
+from megatron_rl.models.lora import lora_modules
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -526,9 +527,6 @@ def export_hf_tensors(
 
 def _adapted_linears(model) -> dict:
     """Weight name -> its LoRA-adapted linear, for every adapted linear of `model`."""
-    # why: the LoRA module imports megatron-core's layers: loaded on first use
-    from megatron_rl.models.lora import lora_modules
-
     return {f"{name}.weight": m for _, name, m in lora_modules([model])}
 
 

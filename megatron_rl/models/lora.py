@@ -37,6 +37,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_rl.models.critic import ValueHead
+from megatron_rl.models.gpt import layer_offset
+
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 HF_TARGETS = {
     "q_proj": "linear_qkv",
@@ -50,6 +53,9 @@ HF_TARGETS = {
 """Hugging Face projection -> the Megatron linear that holds it (q, k, v fused; gate, up
 fused)."""
 A_INITS = ("xavier", "kaiming")
+LORA_METADATA = "lora_config"
+"""The key under which a LoRA training checkpoint's `megatron_rl.json` records its adapters
+(`LoRAConfig.to_dict`); `lora` there is the path of a PEFT adapter merged at conversion."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class LoRAConfig:
                 f"{list(MEGATRON_TARGETS)}, Hugging Face names {list(HF_TARGETS)} or all-linear"
             )
         targets = names & set(MEGATRON_TARGETS)
-        for hf in names & set(HF_TARGETS):
+        for hf in sorted(names & set(HF_TARGETS)):
             fused = {h for h, m in HF_TARGETS.items() if m == HF_TARGETS[hf]}
             if not fused <= names | {h for h, m in HF_TARGETS.items() if m in targets}:
                 raise ValueError(
@@ -193,6 +199,7 @@ def _column_class(base: type) -> type:
         """A column-parallel linear with an adapter: A whole, B split by output rows."""
 
         def forward(self, input_, weight=None, runtime_gather_output=None):
+            # why: megatron-core takes seconds to import: loaded on first use
             from megatron.core.tensor_parallel import mappings
 
             output, bias = super().forward(input_, weight, runtime_gather_output)
@@ -214,6 +221,7 @@ def _row_class(base: type) -> type:
         """A row-parallel linear with an adapter: A split by input columns, B whole."""
 
         def forward(self, input_):
+            # why: megatron-core takes seconds to import: loaded on first use
             from megatron.core.tensor_parallel import mappings
 
             output, bias = super().forward(input_)
@@ -236,6 +244,7 @@ _SUBCLASSES: dict[type, type] = {}
 def _lora_class(module) -> type | None:
     """The LoRA subclass of the module's class: None for a class that is not megatron-core's
     local ColumnParallelLinear / RowParallelLinear (TE's linears are refused by the caller)."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     cls = type(module)
@@ -263,8 +272,6 @@ def _init_factor(shape: tuple[int, int], method: str, name: str, seed: int) -> t
 
 def global_layer_name(chunk, name: str) -> str:
     """`decoder.layers.<local>.rest` -> `decoder.layers.<global>.rest` (PP and VPP aware)."""
-    from megatron_rl.models.gpt import layer_offset
-
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(int(parts[2]) + layer_offset(chunk))
@@ -273,6 +280,7 @@ def global_layer_name(chunk, name: str) -> str:
 
 def _adapt(module, config: LoRAConfig, column: bool, name: str, seed: int) -> None:
     """Give `module` (already of its LoRA class) its A and B, sharded like its weight."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     weight = module.weight
@@ -304,6 +312,7 @@ def apply_lora(chunks: list, config: LoRAConfig, seed: int | None = None) -> lis
     trains in full. `seed`: A's initialisation (default
     `torch.initial_seed()`, the run's seed on every rank). Returns the adapted layers'
     global names. Raises ValueError naming a targeted linear it cannot adapt."""
+    # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     seed = torch.initial_seed() if seed is None else seed
@@ -346,18 +355,16 @@ def apply_lora(chunks: list, config: LoRAConfig, seed: int | None = None) -> lis
 
 
 def _is_value_head(chunk) -> bool:
-    from megatron_rl.models.critic import ValueHead
-
     return isinstance(getattr(chunk, "output_layer", None), ValueHead)
 
 
 def lora_modules(chunks: list) -> Iterator[tuple[int, str, _LoRALinear]]:
     """(chunk index, module name, module) of every adapted linear, DDP wrappers looked
     through; names are the chunk's own (local layer numbers)."""
-    from megatron_rl.models.hf_mapping import unwrap
-
     for i, chunk in enumerate(chunks):
-        for name, module in unwrap(chunk).named_modules():
+        while hasattr(chunk, "module"):  # DDP, Float16Module
+            chunk = chunk.module
+        for name, module in chunk.named_modules():
             if isinstance(module, _LoRALinear):
                 yield i, name, module
 

@@ -16,6 +16,7 @@ from megatron_rl.models.critic import load_value_head
 from megatron_rl.models.dist_checkpoint import HF_META_SUBDIR, METADATA, load_role, read_metadata
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader, load_hf_into_megatron
+from megatron_rl.models.lora import LORA_METADATA, LoRAConfig, apply_lora, merge_and_unload
 
 VALUE_HEAD = "output_layer.weight"
 """A critic chunk's value head; a policy's vocabulary projection under the same name."""
@@ -51,7 +52,7 @@ class ModelSource:
     def lora(self) -> dict | None:
         """The adapters' settings of a LoRA training checkpoint (it holds them alone, its
         base is its `source`); None for any other."""
-        return read_metadata(self.path)[0].get("lora") if self.is_megatron else None
+        return read_metadata(self.path)[0].get(LORA_METADATA) if self.is_megatron else None
 
     def load_policy(self, chunks: list, arch: ModelArchitecture) -> None:
         """Policy weights (actor, reference) into this rank's GPT chunks; a LoRA
@@ -86,9 +87,6 @@ class ModelSource:
     def _load_merged(self, chunks: list, load_base, skip: tuple[str, ...] = ()) -> None:
         """A LoRA checkpoint: its base (the `source` it was trained from) through
         `load_base(ModelSource)`, its adapters on top, then folded into the weights."""
-        # why: the LoRA module imports megatron-core's layers: loaded on first use
-        from megatron_rl.models.lora import LoRAConfig, apply_lora, merge_and_unload
-
         meta = read_metadata(self.path)[0]
         base = Path(meta["source"])
         if not base.exists():
@@ -98,7 +96,7 @@ class ModelSource:
             )
         load_base(ModelSource(base))
         trains = [p.requires_grad for chunk in chunks for p in chunk.parameters()]
-        lora = LoRAConfig.from_dict(meta["lora"])
+        lora = LoRAConfig.from_dict(meta[LORA_METADATA])
         apply_lora(chunks, lora)
         if skip:  # a policy's adapters into a critic: its value head stays as initialised
             for chunk in chunks:

@@ -42,6 +42,7 @@ from megatron_rl.models.dist_checkpoint import (
     save_role,
     write_metadata,
 )
+from megatron_rl.models.lora import LORA_METADATA
 from megatron_rl.models.source import ModelSource
 from megatron_rl.workers.optimizer import apply_hyperparameters, restore_schedule
 
@@ -86,9 +87,9 @@ def save_roles(out: Path, roles: dict, sources: dict[str, str], layout: dict | N
             continue
         save_role(role.chunks, role.optimizer, out / name)
         if torch.distributed.get_rank() == 0:
-            lora = role.lora.to_dict() if role.lora else None
+            lora = {LORA_METADATA: role.lora.to_dict()} if role.lora else {}
             write_metadata(
-                out / name, name, role.arch, saved_layout=layout, source=sources[name], lora=lora
+                out / name, name, role.arch, saved_layout=layout, source=sources[name], **lora
             )
             (out / name / LR_SCHEDULER).write_text(json.dumps(role.scheduler.state_dict()) + "\n")
             copy_side_files(ModelSource(sources[name]).hf_dir, out / name / HF_META_SUBDIR)
@@ -136,7 +137,7 @@ def load_roles(path: Path, roles: dict) -> None:
 def check_same_adapters(role_dir: Path, lora) -> None:
     """A checkpoint resumes only into the same adapters (or none): a LoRA checkpoint holds
     the adapters alone, a full one every weight (verl's `check_adapter_matches_config`)."""
-    saved = json.loads((role_dir / METADATA).read_text()).get("lora")
+    saved = json.loads((role_dir / METADATA).read_text()).get(LORA_METADATA)
     wanted = lora.to_dict() if lora else None
     keys = ("rank", "alpha", "target_modules", "use_rslora")
     if (saved is None) != (wanted is None) or (saved and any(saved[k] != wanted[k] for k in keys)):

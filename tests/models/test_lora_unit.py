@@ -74,12 +74,13 @@ def test_a_checkpoint_records_its_adapters_and_resumes_only_into_the_same(tmp_pa
 
     lora = LoRAConfig(rank=8, alpha=32, target_modules=("q_proj", "k_proj", "v_proj"))
     assert LoRAConfig.from_dict(json.loads(json.dumps(lora.to_dict()))) == lora
-    (tmp_path / "megatron_rl.json").write_text(json.dumps({"lora": lora.to_dict()}))
+    (tmp_path / "megatron_rl.json").write_text(json.dumps({"lora_config": lora.to_dict()}))
     check_same_adapters(tmp_path, lora)
     for other in (None, LoRAConfig(rank=16, alpha=32), LoRAConfig(rank=8, alpha=16)):
         with pytest.raises(ValueError, match="resume with the same adapters"):
             check_same_adapters(tmp_path, other)
-    (tmp_path / "megatron_rl.json").write_text(json.dumps({"role": "actor"}))  # a full one
+    # a full one (`lora`: a PEFT adapter merged when it was converted, not adapters of its own)
+    (tmp_path / "megatron_rl.json").write_text(json.dumps({"role": "actor", "lora": "/a/dir"}))
     check_same_adapters(tmp_path, None)
     with pytest.raises(ValueError, match="saved with lora None"):
         check_same_adapters(tmp_path, lora)

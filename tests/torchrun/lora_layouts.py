@@ -30,7 +30,7 @@ from megatron_rl.models.dist_checkpoint import (
 )
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import fc1_shard
-from megatron_rl.models.lora import LoRAConfig, global_layer_name, lora_modules
+from megatron_rl.models.lora import LORA_METADATA, LoRAConfig, global_layer_name, lora_modules
 from megatron_rl.models.peft_export import save_peft_adapter
 from megatron_rl.parallel import distributed
 from megatron_rl.sync.weight_sync import all_stage_tensors
@@ -126,7 +126,8 @@ def run_layout(name, arch, hf_dir, batch, out, save_from):
     if name == save_from:  # a training checkpoint's actor directory, as the trainer writes it
         save_role(actor.chunks, actor.optimizer, out / "ckpt")
         if ctx.rank == 0:
-            write_metadata(out / "ckpt", "actor", arch, source=hf_dir, lora=lora.to_dict())
+            meta = {LORA_METADATA: lora.to_dict()}
+            write_metadata(out / "ckpt", "actor", arch, source=hf_dir, **meta)
             copy_side_files(Path(hf_dir), out / "ckpt" / HF_META_SUBDIR)
     elif (out / "ckpt").exists():
         fresh = Actor(model, optim=OPTIM)
