@@ -42,7 +42,8 @@ test: $(STAMP)
 # resume, a stop request in each phase of a step, the disaggregated placement (its weight push,
 # training equal to colocated, stop and resume), resumes at another layout or past a truncated
 # file, parameter offload, the reward-model -> critic conversion, the rewards benchmark, a
-# SIGTERM to the launcher with a hanging judge, a node per rank's failure report, a LoRA run.
+# SIGTERM to the launcher with a hanging judge, a node per rank's failure report, a LoRA run,
+# Mixtral's conversion round trip, a MoE checkpoint's logits at another layout.
 # ~45 min on 2 cores, a tier of its own to keep `make test` within 20 minutes; .ci/run runs
 # every tier.
 test-e2e: $(STAMP)

@@ -93,7 +93,8 @@ def assert_bit_identical(a_dir, b_dir):
         # Experts saved split over EP (4 per rank), loaded whole on two pipeline stages; and
         # saved split over expert-TP (TP2+SP), loaded at EP2 with the dense part whole.
         ("qwen3-moe", (1, 1, "--ep", "2"), (1, 2)),
-        ("mixtral", (2, 1), (1, 1, "--ep", "2")),
+        # ~30 s: the journeys' tier (make test reached 19 min 41 s with the LoRA tests)
+        pytest.param("mixtral", (2, 1), (1, 1, "--ep", "2"), marks=pytest.mark.e2e),
     ],
 )
 def test_round_trip_is_bit_identical(
@@ -109,6 +110,7 @@ def test_round_trip_is_bit_identical(
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temp dirs left
 
 
+@pytest.mark.e2e  # ~40 s: the journeys' tier (make test reached 19 min 41 s)
 def test_a_moe_checkpoint_saved_at_ep2_gives_transformers_logits_at_tp2_ep2_and_pp2(
     family_dir, tmp_path
 ):
