@@ -122,7 +122,8 @@ def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     code = (
         "from tools import bench\n"
         f"bench.main(['generate', '--preset', 'tiny', '--steps', '1', '--out', {str(out)!r}])\n"
-        f"bench.main(['weight_sync', '--preset', 'tiny', '--steps', '1', '--out', {str(out)!r}])\n"
+        "bench.main(['weight_sync', '--preset', 'tiny', '--steps', '1', '--lora-rank', '8',"
+        f" '--out', {str(out)!r}])\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -133,6 +134,11 @@ def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     assert generate["ratio_vllm_over_hf_tokens_per_s"] > 0
     assert sync["gb_moved"] > 0 and 0 < sync["export_share_of_sync"]
     assert sync["memcpy_gb_per_s"] > 0 and sync["sync_gb_per_s"] > 0
+    # a LoRA policy's merged sync beside the plain one
+    assert sync["lora_rank"] == 8 and sync["sync_lora_gb_per_s"] > 0
+    assert sync["ratio_sync_lora_over_sync_s"] == pytest.approx(
+        sync["sync_lora_s"] / sync["sync_s"], rel=0.05
+    )
 
 
 def test_bench_entry_lists_and_refuses_unknown_names(capsys):
