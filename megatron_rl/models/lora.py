@@ -165,6 +165,14 @@ class _LoRALinear:
     base_class: type
     """The megatron-core linear this class adapts (`merge_and_unload` turns it back)."""
 
+    def add_adapter(self, x: torch.Tensor, output: torch.Tensor, communicate) -> torch.Tensor:
+        """`output` + s (x A^T) B^T, the rank-r activations passed through `communicate`
+        (the layer's TP / SP mapping); `output` alone while adapters are off."""
+        if not self.lora_enabled:
+            return output
+        h = communicate(torch.nn.functional.linear(x, self.lora_A), group=self.tp_group)
+        return output + self.lora_scale * torch.nn.functional.linear(h, self.lora_B)
+
     def merged_weight(self) -> torch.Tensor:
         """W + s B A of this rank's shard (detached; W alone while adapters are off),
         summed in fp32 and rounded once to the weight's dtype."""
@@ -203,14 +211,12 @@ def _column_class(base: type) -> type:
             from megatron.core.tensor_parallel import mappings
 
             output, bias = super().forward(input_, weight, runtime_gather_output)
-            if not self.lora_enabled:
-                return output, bias
-            h = torch.nn.functional.linear(input_, self.lora_A)
-            if self.sequence_parallel:
-                h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
-            else:
-                h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-            return output + self.lora_scale * torch.nn.functional.linear(h, self.lora_B), bias
+            into_tp = (
+                mappings.gather_from_sequence_parallel_region
+                if self.sequence_parallel
+                else mappings.copy_to_tensor_model_parallel_region
+            )
+            return self.add_adapter(input_, output, into_tp), bias
 
     LoRAColumnParallelLinear.base_class = base
     return LoRAColumnParallelLinear
@@ -225,14 +231,12 @@ def _row_class(base: type) -> type:
             from megatron.core.tensor_parallel import mappings
 
             output, bias = super().forward(input_)
-            if not self.lora_enabled:
-                return output, bias
-            h = torch.nn.functional.linear(input_, self.lora_A)
-            if self.sequence_parallel:
-                h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group)
-            else:
-                h = mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-            return output + self.lora_scale * torch.nn.functional.linear(h, self.lora_B), bias
+            out_of_tp = (
+                mappings.reduce_scatter_to_sequence_parallel_region
+                if self.sequence_parallel
+                else mappings.reduce_from_tensor_model_parallel_region
+            )
+            return self.add_adapter(input_, output, out_of_tp), bias
 
     LoRARowParallelLinear.base_class = base
     return LoRARowParallelLinear
