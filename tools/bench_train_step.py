@@ -212,8 +212,15 @@ def main(argv=None) -> None:
             result["memory_ppo_over_peer"] = round(
                 alone["ppo_update"]["peak_bytes"] / alone["peer_hf"]["peak_bytes"], 4
             )
-        if a.apart and torch.cuda.is_available() and "peak_bytes" in alone.get("ppo_update", {}):
+        # the plan is for one PPO update alone: compare it with that arm's own peak, not
+        # with the alternating process's (which holds every arm's model at once)
+        if torch.cuda.is_available() and "peak_bytes" in alone.get("ppo_update", {}):
             result.update(memory_vs_plan(arch, a, ctx, alone["ppo_update"]["peak_bytes"]))
+        if torch.cuda.is_available() and "peak_bytes" in alone.get("ppo_update_lora", {}):
+            lora = memory_vs_plan(
+                arch, a, ctx, alone["ppo_update_lora"]["peak_bytes"], lora_rank=a.lora_rank
+            )
+            result.update({f"lora_{k}": v for k, v in lora.items()})
     if a.lora_rank:
         result["lora_rank"] = a.lora_rank
     if {"ppo_update", "ppo_update_lora"} <= set(median):
@@ -318,7 +325,9 @@ def arms_alone(argv, names) -> dict[str, dict]:
     return out
 
 
-def memory_vs_plan(arch: ModelArchitecture, a, ctx, measured_bytes: int) -> dict:
+def memory_vs_plan(
+    arch: ModelArchitecture, a, ctx, measured_bytes: int, lora_rank: int = 0
+) -> dict:
     """The measured peak of this rank next to `tools/plan_memory.py`'s estimate for it."""
     from megatron_rl.memory_plan import GiB, MemoryPlanConfig, plan_memory
     from megatron_rl.models.gpt import transformer_engine_available
@@ -338,6 +347,7 @@ def memory_vs_plan(arch: ModelArchitecture, a, ctx, measured_bytes: int) -> dict
             params_dtype=a.dtype,
             profile="te" if transformer_engine_available() else "local",
             critic=False,
+            lora_rank=lora_rank,
         ),
     )
     measured = measured_bytes / GiB

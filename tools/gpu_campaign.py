@@ -19,6 +19,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       Qwen2.5-0.5B, 4 x 2,048 tokens, beside the plain-PyTorch peer
                       (transformers + SDPA + fused AdamW, mixed precision; each arm's
                       peak memory alone: --memory)
+- train_step_lora:    the same shape with the LoRA actor's update (rank 16, every linear)
+                      beside the full one (`--lora-rank 16`)
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
                       0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
 - long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
@@ -136,6 +138,9 @@ def parts(work: Path) -> list[Part]:
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes
         Part("train_step_bf16", (*train_step, "--memory", *results), needs=MEGATRON + PEER),
+        # the LoRA actor's update (rank 16 on every linear) beside the full one, same shape
+        Part("train_step_lora", (*train_step, "--lora-rank", "16", "--memory", *results),
+             needs=MEGATRON + PEER),
         # the longer shapes: every arm alone (--apart), two models do not fit one GPU there
         Part(
             "train_step_1b_4k",
