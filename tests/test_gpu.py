@@ -293,3 +293,39 @@ def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
     metrics = actor.update(long, PolicyLossConfig(nll_coef=0.1), num_microbatches=1)
     assert metrics["update_ok"]
     assert torch.cuda.max_memory_allocated() < 2 * 2**30
+
+
+@pytest.mark.parametrize("entropy_in_loss", [True, False])
+def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
+    single_rank, entropy_in_loss
+):
+    """The chunked head in bf16 on CUDA (fp32-writing GEMMs where torch has them, the label
+    entries added before their rounding) against whole bf16 logits, the unchunked head."""
+    from megatron_rl.parallel.vocab import (
+        chunked_logprobs_entropy,
+        vocab_parallel_entropy,
+        vocab_parallel_logprobs,
+    )
+
+    distributed.initialize(distributed.ParallelLayout())
+    g = torch.Generator().manual_seed(0)
+    vocab, padded, hidden_size, n = 1000, 1024, 64, 300
+    hidden = torch.randn(n, hidden_size, generator=g).cuda().bfloat16()
+    weight = (torch.randn(padded, hidden_size, generator=g) * 0.3).cuda().bfloat16()
+    labels = torch.randint(0, vocab, (n,), generator=g).cuda()
+    coef = torch.randn(2, n, generator=g).cuda()
+
+    def run(chunked: bool):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        if chunked:
+            lp, ent = chunked_logprobs_entropy(h, w, labels, vocab, 0.8, chunk=64)
+        else:
+            logits = h @ w.t()
+            lp = vocab_parallel_logprobs(logits, labels, vocab, 0.8)
+            ent = vocab_parallel_entropy(logits, vocab, 0.8)
+        loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if entropy_in_loss else 0.0)
+        loss.backward()
+        return lp.detach(), ent.detach(), h.grad.float(), w.grad.float()
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert_close(got, want, BF16_MODEL)

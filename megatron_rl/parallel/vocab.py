@@ -16,6 +16,8 @@ the lowest finite value divided by T < 1 would overflow to -inf, and 0 * -inf is
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -108,16 +110,22 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
     per-token log-sum-exp and entropy, backward recomputes each chunk's logits (Liger's fused
     linear cross-entropy, Hsu et al. 2024, extended to entropy and vocabulary parallelism).
 
-    With l the tempered logits, p = softmax(l), lse = log sum exp l:
+    With l the tempered logits, m = max l, s = sum exp(l - m), d = sum exp(l - m) (l - m):
+      log-sum-exp = m + log s;   H = -sum p log p = log s - d / s;
       d log p(y) / d l = onehot(y) - p;   d H / d l = -p * (log p + H).
-    Both are local to this rank's vocabulary slice once lse is the global one, so backward
-    needs no collective: the hidden states' gradient is this slice's partial sum, reduced
-    over TP by whatever made `hidden` (`models/lm_head.py`), as megatron's output layer does.
-    Vocabulary padding (megatron pads to a multiple of 128 x TP) is left out of the product,
-    so it takes no probability mass and gets no gradient. Each chunk is a few fused passes
-    over its logits (log-sum-exp, then log p and p in place and a row dot for -sum p log p;
-    in backward the same two and one multiply-add and one multiply, in place): elementwise
-    passes, not the GEMMs, are what such a head costs.
+    Both terms of H are >= 0 (s >= 1, d <= 0): no cancellation. Under TP each rank sums its
+    slice's s and d, rescaled to the global max, in one all-reduce. Backward needs no
+    collective once the log-sum-exp is the global one: the hidden states' gradient is this
+    slice's partial sum, reduced over TP by whatever made `hidden` (`models/lm_head.py`), as
+    megatron's output layer does. Vocabulary padding (megatron pads to a multiple of 128 x TP)
+    is left out of the product, so it takes no probability mass and gets no gradient.
+
+    Elementwise passes over a chunk's logits, not its GEMMs, are what such a head costs on a
+    GPU (a [C, V] fp32 pass moves 4 C V bytes; the GEMM's FLOPs per byte are ~hidden / 2), so
+    each chunk takes as few as the maths allows: forward max, shift, exp, sum and one row dot;
+    backward shift, one multiply-add, exp and one multiply written straight in the weight's
+    dtype. On CUDA the GEMMs write fp32 themselves and the projection's gradient accumulates
+    in fp32 inside the GEMM (`_fp32_gemm`).
     """
 
     @staticmethod
@@ -132,23 +140,20 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         target = torch.empty_like(lse)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _chunk_logits(hidden[start:end], weight, temperature)
-            local_lse, picked = _local_lse_and_label_logit(logits, labels[start:end] - first)
-            if tp_size > 1:  # the whole vocabulary's log-sum-exp from each slice's
-                top = local_lse.clone()
+            m, s, d, picked = _chunk_sums(
+                _chunk_logits(hidden[start:end], weight, temperature), labels[start:end] - first
+            )
+            if tp_size > 1:  # every slice's sums, rescaled to the global max
+                top = m.clone()
                 torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-                sums = torch.stack([torch.exp(local_lse - top), picked])
+                scale = torch.exp(m - top)  # 0 on a rank holding only padding (m = -inf)
+                shift = torch.where(s > 0, m - top, 0.0)  # -inf * 0 would be NaN
+                sums = torch.stack([scale * s, scale * (d + shift * s), picked])
                 torch.distributed.all_reduce(sums, group=group)
-                lse[start:end], target[start:end] = top + torch.log(sums[0]), sums[1]
-            else:
-                lse[start:end], target[start:end] = local_lse, picked
-            # H = -sum p log p with the global log p: no cancellation of two large terms
-            log_p = logits.sub_(lse[start:end, None])
-            c = end - start
-            part = -torch.bmm(torch.exp(log_p).unsqueeze(1), log_p.unsqueeze(2)).view(c)
-            if tp_size > 1:
-                torch.distributed.all_reduce(part, group=group)
-            entropy[start:end] = part
+                m, (s, d, picked) = top, sums
+            log_s = torch.log(s)
+            lse[start:end], target[start:end] = m + log_s, picked
+            entropy[start:end] = log_s - d / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
         ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
@@ -168,28 +173,18 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], ctx.chunk):
                 end = min(start + ctx.chunk, hidden.shape[0])
                 h = hidden[start:end]
-                log_p = _chunk_logits(h, weight, t).sub_(lse[start:end, None])
-                p = torch.exp(log_p)
-                # dL/dl = p * (-g_lp - g_H (log p + H)) + g_lp onehot(y), all over T
-                g_lp = grad_logprobs[start:end] / t if grad_logprobs is not None else None
-                if grad_entropy is not None:
-                    g_h = grad_entropy[start:end, None] / t
-                    offset = g_h * entropy[start:end, None]
-                    if g_lp is not None:
-                        offset = offset + g_lp[:, None]
-                    grad = log_p.mul_(-g_h).sub_(offset).mul_(p)
-                else:
-                    grad = p.mul_(-g_lp[:, None])
-                if g_lp is not None:
-                    local_label = labels[start:end] - first
-                    here = torch.nonzero((local_label >= 0) & (local_label < rows)).squeeze(1)
-                    grad[here, local_label[here]] += g_lp[here]
-                # the logits were made in the weight's dtype: their gradient is cast back to it
-                grad = grad.to(weight.dtype)
+                grad = _chunk_logits_grad(
+                    _chunk_logits(h, weight, t).sub_(lse[start:end, None]),  # log p
+                    None if grad_logprobs is None else grad_logprobs[start:end] / t,
+                    None if grad_entropy is None else grad_entropy[start:end] / t,
+                    entropy[start:end],
+                    labels[start:end] - first,
+                    weight.dtype,
+                )
                 if grad_hidden is not None:
                     grad_hidden[start:end] = grad @ weight
                 if grad_weight is not None:
-                    grad_weight += (grad.t() @ h).float()
+                    grad_weight = _accumulate_fp32(grad_weight, grad.t(), h)
         if grad_weight is not None:
             # padding rows of the projection get no gradient
             grad_weight = torch.nn.functional.pad(grad_weight, (0, 0, 0, ctx.full_rows - rows))
@@ -197,22 +192,84 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+def _chunk_sums(logits, local_labels):
+    """Over this rank's slice of one chunk's fp32 logits [C, V'] (consumed): the max m, s =
+    sum exp(l - m), d = sum exp(l - m) (l - m) and each label's logit where the slice holds it
+    (else 0), each [C]."""
+    c, rows = logits.shape
+    if rows == 0:  # a rank holding only vocabulary padding
+        zeros = logits.new_zeros(c)
+        return torch.full_like(zeros, float("-inf")), zeros, zeros, zeros
+    here = (local_labels >= 0) & (local_labels < rows)
+    picked = torch.where(
+        here, logits.gather(1, local_labels.clamp(0, rows - 1)[:, None]).squeeze(1), 0.0
+    )
+    m = logits.amax(dim=-1)
+    shifted = logits.sub_(m[:, None])
+    e = torch.exp(shifted)
+    s = e.sum(dim=-1)
+    d = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).view(c)
+    return m, s, d, picked
+
+
+def _chunk_logits_grad(log_p, g_lp, g_h, entropy, local_labels, dtype):
+    """dL/dl for one chunk, in `dtype`, from its log-probs [C, V'] (consumed) and the
+    per-token gradients of the log-prob g_lp and of the entropy g_h ([C] or None, already
+    over T):  p * (-g_h (log p + H) - g_lp) + g_lp onehot(y).
+
+    The one-hot term is added in fp32 to its entries before their one rounding to `dtype`."""
+    c, rows = log_p.shape
+    if g_h is not None:
+        offset = g_h * entropy
+        if g_lp is not None:
+            offset = offset + g_lp
+        factor = torch.addcmul(-offset[:, None], log_p, -g_h[:, None])  # new [C, V']
+        p = log_p.exp_()
+    else:
+        p = log_p.exp_()
+        factor = -g_lp[:, None]
+    grad = torch.empty((c, rows), dtype=dtype, device=log_p.device)
+    if g_lp is not None:  # the label entries, in fp32, before p and factor are consumed
+        here = torch.nonzero((local_labels >= 0) & (local_labels < rows)).squeeze(1)
+        cols = local_labels[here]
+        at_label = p[here, cols] * factor[here, cols if g_h is not None else 0] + g_lp[here]
+    torch.mul(p, factor, out=grad)
+    if g_lp is not None:
+        grad[here, cols] = at_label.to(dtype)
+    return grad
+
+
+@functools.cache
+def _fp32_gemm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a GEMM of `dtype` inputs can write fp32 (`torch.mm(..., out_dtype=)`: CUDA
+    only, bf16 / fp16). Probed once: a torch without it takes the cast instead."""
+    if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32)
+        torch.addmm(torch.zeros(2, 2, device=device_type), a, a, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
 def _chunk_logits(hidden, weight, temperature: float) -> torch.Tensor:
     """fp32 tempered logits [C, V'] of one chunk over this rank's real vocabulary rows."""
-    logits = (hidden @ weight.t()).float()
+    if _fp32_gemm(hidden.device.type, hidden.dtype):
+        logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    else:
+        logits = (hidden @ weight.t()).float()
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-def _local_lse_and_label_logit(logits, local_labels):
-    """Over this rank's slice of one chunk's logits [C, V']: the log-sum-exp [C] and each
-    label's logit where the slice holds it (else 0)."""
-    rows = logits.shape[1]
-    if rows == 0:  # a rank holding only vocabulary padding
-        zeros = logits.new_zeros(logits.shape[0])
-        return torch.full_like(zeros, float("-inf")), zeros
-    here = (local_labels >= 0) & (local_labels < rows)
-    picked = logits.gather(1, local_labels.clamp(0, rows - 1)[:, None]).squeeze(1)
-    return torch.logsumexp(logits, dim=-1), torch.where(here, picked, 0.0)
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b, acc fp32: summed inside the GEMM where it can write fp32."""
+    if a.dtype == torch.float32:
+        return acc.addmm_(a, b)
+    if _fp32_gemm(a.device.type, a.dtype):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32)
+    return acc.add_((a @ b).float())
 
 
 def chunked_logprobs_entropy(
