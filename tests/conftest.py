@@ -23,6 +23,14 @@ def tiny_tied_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_teacher_dir(tmp_path_factory):
+    """A larger model of the default tiny one's tokenizer (the same seed): 6 layers, hidden
+    192, 6 heads / 2 KV heads; a distillation teacher."""
+    spec = TinyModelSpec(layers=6, hidden=192, heads=6, kv_heads=2, intermediate=512)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2-teacher", spec)
+
+
+@pytest.fixture(scope="session")
 def tiny_tools_model_dir(tmp_path_factory):
     """The tiny Qwen2 with Qwen2.5's tool-call markers as tokens (`chatml_tools`): multi-turn
     rollouts stop at `</tool_call>`."""

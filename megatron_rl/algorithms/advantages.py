@@ -14,7 +14,9 @@ Registered (paper in each docstring):
 - "grpo": group-normalised outcome reward (DeepSeekMath);
 - "rloo": leave-one-out baseline (RLOO);
 - "reinforce_plus_plus": KL-penalised return-to-go, globally whitened (REINFORCE++);
-- "reinforce_plus_plus_baseline": group-mean baseline, then global whitening (REINFORCE++).
+- "reinforce_plus_plus_baseline": group-mean baseline, then global whitening (REINFORCE++);
+- "on_policy_distill": none of the task reward's: the teacher's per-token signal alone
+  (on-policy distillation, `algorithms/distill.py`).
 
 Multi-turn rollouts: environment tokens are holes, so GAE bootstraps the last policy
 token of turn k from V at the first policy token of turn k+1 (the state that has read the
@@ -303,6 +305,18 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
         len(mask)
     )
     return _outputs(advantages, returns, inputs, config.whiten_advantages, per_sequence)
+
+
+@register_adv_est("on_policy_distill")
+def on_policy_distill_advantages(
+    inputs: AdvantageInputs, config: AdvantageConfig
+) -> AdvantageOutputs:
+    """On-policy distillation alone (Thinking Machines 2025): no task advantage (0 on every
+    token); the experience maker adds the teacher's per-token reverse KL
+    (`algorithms/distill.py`), which needs a `teacher`. The scores are still logged."""
+    _validate(inputs)
+    zeros = torch.zeros_like(inputs.response_mask, dtype=torch.float64)
+    return _outputs(zeros, zeros, inputs, whiten=False)
 
 
 @register_adv_est("grpo", needs_groups=True)

@@ -30,6 +30,7 @@ from megatron_rl.config.sections import (
     RewardsConfig,
     RoleConfig,
     RolloutConfig,
+    TeacherConfig,
     TrainerConfig,
     check_at_least,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "RewardsConfig",
     "RoleConfig",
     "RolloutConfig",
+    "TeacherConfig",
     "TrainConfig",
     "TrainerConfig",
     "apply_override",

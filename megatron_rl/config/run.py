@@ -24,6 +24,7 @@ from megatron_rl.config.sections import (
     ModelConfig,
     RewardsConfig,
     RolloutConfig,
+    TeacherConfig,
     TrainerConfig,
 )
 from megatron_rl.data.prompts import PromptDataConfig
@@ -38,6 +39,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     algorithm: AdvantageConfig = field(default_factory=AdvantageConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -54,6 +56,11 @@ class TrainConfig:
     def use_reference(self) -> bool:
         """beta = 0 skips the reference model entirely (no forward, no weights)."""
         return self.algorithm.kl_coef > 0 or self.actor.loss.kl_loss_coef > 0
+
+    @property
+    def use_teacher(self) -> bool:
+        """A teacher scores the student's tokens (on-policy distillation)."""
+        return self.teacher.path is not None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

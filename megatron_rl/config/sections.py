@@ -321,6 +321,31 @@ class CriticConfig(RoleConfig):
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): a frozen
+    teacher scores every token the student samples, and each policy token's advantage gains
+    -kl_coef x (log pi_student - log pi_teacher), the per-token reverse KL (slime's
+    `--opd-kl-coef`, added to any estimator's advantages; `algorithm.estimator:
+    on_policy_distill` for the teacher's signal alone, the published recipe)."""
+
+    path: str | None = None
+    """The teacher: a Hugging Face directory or a megatron_rl checkpoint, as `model.path`; any
+    supported architecture, larger than the student allowed, with the student's tokenizer
+    and chat template. None: no teacher."""
+    kl_coef: float = 1.0
+    """Weight of the per-token reverse KL in the advantages."""
+    param_offload: bool = False
+    """The teacher's parameters in host memory from the end of the experience until the
+    next one, as `actor.ref_param_offload` does for the reference."""
+
+    def __post_init__(self) -> None:
+        if self.kl_coef <= 0:
+            raise ValueError(
+                f"kl_coef must be > 0 (leave path unset for no teacher), got {self.kl_coef}"
+            )
+
+
+@dataclass(frozen=True)
 class RewardsConfig:
     reward_fns: tuple[RewardFnConfig, ...] = field(
         default=(),

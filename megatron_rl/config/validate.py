@@ -18,6 +18,7 @@ import torch
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS, estimator_traits
 from megatron_rl.config.loader import ConfigError
 from megatron_rl.config.run import TrainConfig
+from megatron_rl.data.tokenizer_match import tokenizer_differences
 from megatron_rl.models.gpt import MoEConfig
 from megatron_rl.models.source import ModelSource
 from megatron_rl.rollout.replica import RolloutLayout
@@ -59,6 +60,41 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     check_models(config)
     check_rollout_correction(config)
     check_multi_turn(config)
+    check_teacher(config)
+
+
+def check_teacher(config: TrainConfig) -> None:
+    """On-policy distillation: the estimator that is the teacher's signal alone has a
+    teacher and no critic; the teacher reads the student's tokens as the student wrote them."""
+    alone = config.algorithm.estimator == "on_policy_distill"
+    if alone and not config.use_teacher:
+        raise ConfigError(
+            "algorithm.estimator=on_policy_distill takes its whole signal from a teacher: "
+            "set teacher.path"
+        )
+    if alone and config.critic.enable:
+        raise ConfigError(
+            "critic.enable=true with algorithm.estimator=on_policy_distill: the estimator "
+            "reads no values (the teacher's per-token signal needs no baseline)"
+        )
+    if not config.use_teacher:
+        if config.teacher.param_offload:
+            raise ConfigError(
+                "teacher.param_offload=true without teacher.path: there is no teacher"
+            )
+        return
+    student, teacher = (
+        ModelSource(config.model.path).hf_dir,
+        ModelSource(config.teacher.path).hf_dir,
+    )
+    differences = tokenizer_differences(student, teacher)
+    if differences:
+        raise ConfigError(
+            f"teacher.path {config.teacher.path}: its tokenizer is not the student's "
+            f"(model.path {config.model.path}): {'; '.join(differences)}. The teacher scores "
+            "the student's token ids as sampled; a teacher of another tokenizer or chat "
+            "template would score another sequence"
+        )
 
 
 def check_rollout_correction(config: TrainConfig) -> None:
@@ -344,17 +380,22 @@ def check_inputs(config: TrainConfig) -> None:
     ]
     if config.use_critic and config.model.critic_path:
         inputs.append(("model.critic_path", config.model.critic_path))
+    if config.use_teacher:
+        inputs.append(("teacher.path", config.teacher.path))
     for i, fn in enumerate(config.rewards.reward_fns):
         if getattr(fn, "model_dir", ""):  # a reward model's checkpoint
             inputs.append((f"rewards.reward_fns[{i}].model_dir", fn.model_dir))
     for key, path in inputs:
         if not Path(path).exists():
             raise ConfigError(f"config key {key}: {path}: no such file or directory")
-    hf_dir = ModelSource(config.model.path).hf_dir  # the actor templates and tokenises with it
-    if not any((hf_dir / name).exists() for name in TOKENIZER_FILES):
-        raise ConfigError(
-            f"config key model.path: {hf_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
-        )
+    tokenized = [("model.path", config.model.path)]  # the actor templates and tokenises with it
+    tokenized += [("teacher.path", config.teacher.path)] if config.use_teacher else []
+    for key, path in tokenized:
+        hf_dir = ModelSource(path).hf_dir
+        if not any((hf_dir / name).exists() for name in TOKENIZER_FILES):
+            raise ConfigError(
+                f"config key {key}: {hf_dir}: no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+            )
     for i, fn in enumerate(config.rewards.reward_fns):
         module = getattr(fn, "path", "").partition(":")[0]
         if module and not _module_found(module):

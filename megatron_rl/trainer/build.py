@@ -5,7 +5,7 @@ that makes a bad input fail in seconds, before any model loads:
     config validated; output_dir checked (an earlier run is resumed or replaced, never mixed)
     distributed start-up; tokenizer; prompts
     rollout side, first half: reward pool, tool format, environment workers
-    roles (actor, reference, critic); what they offload leaves the device
+    roles (actor, reference, critic, teacher); what they offload leaves the device
     rollout side, second half: the engine (colocated) or the engine ranks (disaggregated)
     the actor's weights into the engines (a Megatron checkpoint: they started from random)
     checkpoints, metrics logger, memory timeline, stop requests; resume from the newest
@@ -107,7 +107,18 @@ def build_roles(config: TrainConfig, arch) -> Roles:
             replace(model, arch=critic_arch, model_path=critic_path, lora=c.critic.lora),
             optim=scheduled_optim(c, "critic"),
         )
-    return Roles(actor, reference, critic)
+    teacher = None
+    if c.use_teacher:  # forward only, its own architecture and weights
+        teacher = ReferencePolicy(
+            replace(
+                model,
+                arch=ModelSource(c.teacher.path).architecture(),
+                model_path=c.teacher.path,
+                recompute=None,
+            ),
+            temperature=c.rollout.temperature,
+        )
+    return Roles(actor, reference, critic, teacher)
 
 
 def truncated_sampling_warning(config: TrainConfig) -> str | None:

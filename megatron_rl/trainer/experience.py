@@ -2,10 +2,12 @@
 
 samples -> tokens + response mask, scores, groups
         -> reference log-probs (only when a KL term is on)
+        -> teacher log-probs (on-policy distillation: a `teacher` is configured)
         -> old log-probs (the actor before this step's updates)
         -> values (only with a critic)
         -> advantages and returns (the configured estimator; whitening with moments
-           all-reduced over data-parallel ranks, so it is global)
+           all-reduced over data-parallel ranks, so it is global), plus the teacher's
+           per-token reverse KL (`algorithms/distill.py`)
         -> rollout correction: the engine's log-probs against the old ones (diagnostics
            every step; importance weights / rejection when configured)
 
@@ -27,6 +29,7 @@ from megatron_rl.algorithms.advantages import (
     AdvantageOutputs,
     get_adv_estimator,
 )
+from megatron_rl.algorithms.distill import add_distillation, teacher_reverse_kl
 from megatron_rl.algorithms.kl import kl_estimate
 from megatron_rl.algorithms.masked import masked_mean
 from megatron_rl.algorithms.rollout_correction import (
@@ -89,12 +92,20 @@ def forward_micro_batching(config: TrainConfig, role_cfg, rows: int) -> dict:
 
 
 def make_experience(
-    groups, actor, critic, reference, config: TrainConfig, pad_token_id: int, before_forward=None
+    groups,
+    actor,
+    critic,
+    reference,
+    config: TrainConfig,
+    pad_token_id: int,
+    before_forward=None,
+    teacher=None,
 ) -> tuple[TrainingBatch, dict[str, float]]:
-    """`groups`: this rank's rated groups; `config`: the TrainConfig. Returns the batch, on
-    the actor's device, and the experience metrics under their logged names (KL, engine vs
-    trainer log-probs, advantage/value means). `before_forward(role)`, when given, runs
-    before each role's forward pass (the trainer's abort point: it may raise)."""
+    """`groups`: this rank's rated groups; `config`: the TrainConfig; `teacher`: the
+    distillation teacher's role, or None. Returns the batch, on the actor's device, and the
+    experience metrics under their logged names (KL, engine vs trainer log-probs,
+    advantage/value means). `before_forward(role)`, when given, runs before each role's
+    forward pass (the trainer's abort point: it may raise)."""
 
     def starting(role: str) -> None:
         if before_forward is not None:
@@ -122,6 +133,16 @@ def make_experience(
         metrics["actor/reward_kl"] = masked_mean(token_kl, mask).item()
         if config.algorithm.kl_coef == 0:
             token_kl = None  # KL only in the loss (GRPO): not folded into the rewards
+    reverse_kl = None
+    if teacher is not None:
+        starting("teacher")
+        reverse_kl = teacher_reverse_kl(old, teacher.compute_logprobs(batch, **split), mask)
+        metrics["actor/teacher_kl"] = masked_mean(reverse_kl, mask).item()
+        metrics["actor/teacher_kl_max"] = data_parallel_max(
+            reverse_kl[mask.bool()].max(dim=0, keepdim=True).values
+            if mask.any()
+            else torch.full((1,), -math.inf, device=mask.device)
+        ).item()
     values = None
     if critic is not None:
         starting("critic")
@@ -132,6 +153,8 @@ def make_experience(
     step_rewards = step_rewards_of(samples, batch)
     out = compute_advantages(batch, group_index, config.algorithm, values, token_kl, step_rewards)
     advantages, returns = out.advantages.float(), out.returns.float()
+    if reverse_kl is not None:
+        advantages = add_distillation(advantages, reverse_kl, config.teacher.kl_coef)
     if out.lambda_policy is not None:  # per sequence; rows without a token never use it
         lam = out.lambda_policy[mask.sum(dim=1) > 0]
         # the DP-global min (every rank takes part): the ranks' means then average it unchanged

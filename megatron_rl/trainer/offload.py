@@ -1,6 +1,7 @@
 """Moving the roles' state to host memory between their uses (`actor.param_offload`,
 `grad_offload`, `optimizer_offload`; the reference's `actor.ref_param_offload`; the critic's
-own), so the rollout engine and the other roles have the device."""
+own; the teacher's `teacher.param_offload`), so the rollout engine and the other roles have
+the device."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from megatron_rl.config import TrainConfig
 
 @dataclass
 class Roles:
-    """The run's Megatron roles; `reference` and `critic` are None when the algorithm has
-    none (no KL term / no critic)."""
+    """The run's Megatron roles; `reference`, `critic` and `teacher` are None when the run
+    has none (no KL term / no critic / no distillation)."""
 
     actor: object
     reference: object | None
     critic: object | None
+    teacher: object | None = None
 
     @property
     def trained(self) -> dict:
@@ -24,7 +26,7 @@ class Roles:
         return {"actor": self.actor, "critic": self.critic}
 
     def offload(self, config: TrainConfig, name: str, params: bool = True) -> None:
-        """Role `name` (actor, critic, reference) moves what its config asks to host memory.
+        """Role `name` (actor, critic, reference, teacher) moves what its config asks to host memory.
         The parameters come back with the role's next use of its chunks, the rest with its
         next update. Called after each role's last use before the rollout: the reference
         after the experience, the critic after its update, the actor after the weight sync
@@ -32,8 +34,12 @@ class Roles:
         role = getattr(self, name)
         if role is None:
             return
-        if name == "reference":
-            if config.actor.ref_param_offload:
+        if name in ("reference", "teacher"):  # frozen: parameters only
+            wanted = {
+                "reference": config.actor.ref_param_offload,
+                "teacher": config.teacher.param_offload,
+            }
+            if wanted[name]:
                 role.offload_params()
             return
         section = config.actor if name == "actor" else config.critic
@@ -42,10 +48,10 @@ class Roles:
         )
 
     def offload_for_rollout(self, config: TrainConfig) -> None:
-        for name in ("actor", "critic", "reference"):
+        for name in ("actor", "critic", "reference", "teacher"):
             self.offload(config, name)
 
     def offloaded_param_gib(self) -> float:
         """What `param_offload` keeps in host memory now (the next rollout runs without it)."""
-        roles = (self.actor, self.critic, self.reference)
+        roles = (self.actor, self.critic, self.reference, self.teacher)
         return sum(r.offloaded_param_bytes for r in roles if r is not None) / 2**30

@@ -453,8 +453,10 @@ class RLTrainer:
                 c,
                 self.pad_token_id,
                 before_forward=lambda role: self.abort_point(f"experience/{role}"),
+                teacher=self.roles.teacher,
             )
         self.offload("reference")  # unused until the next experience
+        self.offload("teacher")
         t2 = time.perf_counter()
         metrics.update(exp_metrics)
         with self.phase("train"):

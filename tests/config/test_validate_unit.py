@@ -328,3 +328,33 @@ def test_multi_turn_rollouts_are_checked_against_what_they_are_built_for(
 def test_multi_turn_settings_are_refused_by_name(tiny_model_dir, override, message):
     with pytest.raises(ConfigError, match=message):
         config_for(tiny_model_dir, override)
+
+
+def test_a_teacher_must_read_the_students_tokens_and_the_distillation_estimator_needs_one(
+    tiny_model_dir, tiny_teacher_dir, tiny_tools_model_dir, llama_rm_dir, tmp_path
+):
+    """On-policy distillation: a larger teacher of the student's tokenizer passes; one whose tokenizer, special tokens
+    or chat template differ is refused naming what differs; `on_policy_distill` without a
+    teacher, or with a critic, is refused."""
+    alone = ("algorithm.estimator=on_policy_distill", "critic.pretrain_steps=0")
+    validate_config(config_for(tiny_model_dir, *alone, f"teacher.path={tiny_teacher_dir}"), 2)
+    with pytest.raises(ConfigError, match=r"on_policy_distill .* set teacher.path"):
+        validate_config(config_for(tiny_model_dir, *alone), 2)
+    with pytest.raises(ConfigError, match=r"critic.enable=true with .*on_policy_distill"):
+        validate_config(
+            config_for(
+                tiny_model_dir, *alone, f"teacher.path={tiny_teacher_dir}", "critic.enable=true"
+            ),
+            2,
+        )
+    # another tokenizer of the same size; Llama-3's special tokens and template
+    with pytest.raises(ConfigError, match=r"teacher.path .*not the student's.*vocabulary: 400 vs"):
+        validate_config(config_for(tiny_model_dir, f"teacher.path={tiny_tools_model_dir}"), 2)
+    with pytest.raises(ConfigError, match=r"eos_token: '<\|im_end\|>' vs .*chat_template differs"):
+        validate_config(config_for(tiny_model_dir, f"teacher.path={llama_rm_dir}"), 2)
+    with pytest.raises(ConfigError, match=r"config key teacher.path: .*: no such file"):
+        validate_config(config_for(tiny_model_dir, f"teacher.path={tmp_path / 'none'}"), 2)
+    with pytest.raises(ConfigError, match=r"teacher.param_offload=true without teacher.path"):
+        validate_config(config_for(tiny_model_dir, "teacher.param_offload=true"), 2)
+    with pytest.raises(ConfigError, match=r"kl_coef must be > 0"):
+        config_for(tiny_model_dir, f"teacher.path={tiny_teacher_dir}", "teacher.kl_coef=0")

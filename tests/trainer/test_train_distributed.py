@@ -304,14 +304,23 @@ PACKED = "model.use_remove_padding=true"
         pytest.param("reinforce_pp", False, (), marks=pytest.mark.e2e),
     ],
 )
-def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_path):
+def test_recipe_runs_two_steps(
+    recipe, has_critic, extra, tiny_model_dir, tiny_teacher_dir, tmp_path
+):
     """Each tiny recipe (GRPO: dynamic filtering, KL in the loss, the engine's log-probs as
     pi_old, packed micro-batches) trains for two steps; PPO with its gradient buffers freed
     between updates and token-budget micro-batches; RLOO with a bf16 rollout corrected by TIS
-    and rejection."""
+    and rejection, and a larger teacher's per-token reverse KL added to its advantages
+    (on-policy distillation), the teacher offloaded between experiences."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
-    recompute = ["model.recompute.granularity=full"] if recipe == "ppo" else []
+    overrides = ["model.recompute.granularity=full"] if recipe == "ppo" else []
+    if recipe == "rloo":
+        overrides += [
+            f"teacher.path={tiny_teacher_dir}",
+            "teacher.kl_coef=0.5",
+            "teacher.param_offload=true",
+        ]
     train(
         recipe,
         out,
@@ -319,7 +328,7 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
         VARIED_REWARD,
         "trainer.total_steps=2",
         "trainer.save_interval=1",
-        *recompute,
+        *overrides,
         *extra,
     )
     records = metrics(out)
@@ -331,6 +340,10 @@ def test_recipe_runs_two_steps(recipe, has_critic, extra, tiny_model_dir, tmp_pa
             assert 0 < r["rollout_corr/rollout_is_clipped_fraction"] < 1  # ... weights capped
             assert r["rollout_corr/rollout_is_eff_sample_size"] < 1
             assert r["rollout_corr/kl"] != 0
+            # another model's log-probs of the student's tokens
+            assert r["actor/teacher_kl"] != 0 and r["actor/teacher_kl_max"] > r["actor/teacher_kl"]
+    else:
+        assert not any(k.startswith("actor/teacher_kl") for k in records[-1])
     gap_logged = [
         any(k.startswith(("rollout_corr/", "rollout/logprob_gap/")) for k in r) for r in records
     ]
