@@ -306,3 +306,26 @@ def test_router_losses_train_the_router_apart_from_the_policy_loss(family_dir, t
     routers = {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
     assert frozen["changed"] and not routers & set(frozen["changed"])
     assert len(frozen["changed"]) == 69 - 2  # every other tensor trained
+
+
+def test_a_larger_teacher_gives_one_process_log_probs_at_tp2_and_pp2(tiny_teacher_dir, tmp_path):
+    """On-policy distillation's teacher (6 layers, hidden 192, 6 heads: not the student's
+    shape) through the role the trainer builds for it, at TP2 and PP2 on 2 ranks: every rank
+    gets the log-probs Hugging Face gives the teacher's checkpoint in one process."""
+    from tests.torchrun.actor_critic import global_batch
+
+    run_torchrun(
+        "tests.torchrun.teacher_logprobs",
+        ["--teacher-dir", str(tiny_teacher_dir), "--out-dir", str(tmp_path)],
+        nproc=2,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(tiny_teacher_dir, dtype=torch.float32)
+    assert hf.config.num_hidden_layers == 6 and hf.config.hidden_size == 192
+    ids = global_batch(hf.config.vocab_size).input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids).logits, dim=-1)
+    expected = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    for name in ("tp2", "pp2"):
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"{name}_{rank}.pt")
+            assert_close(got[:, 1:], expected, FP32_MODEL, f"{name} rank {rank}")
