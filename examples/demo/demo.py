@@ -27,6 +27,13 @@ answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer 
 training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
 0.5).
 
+On-policy distillation (`--recipe examples/tiny/distill_count_on.yaml --teacher
+examples/tiny/vapo_count_on.yaml --beside examples/tiny/vapo_count_on.yaml`): the teacher
+recipe is trained first (seed 0, same warm start), its last actor checkpoint becomes
+`teacher.path` of every arm whose recipe has a `teacher` section; the table beside then
+gives each arm's steps and wall time to the pass mark and whether it reached the teacher's
+accuracy.
+
 `--smoke` runs the older stack check instead: a Megatron TP=2 forward/backward against
 Hugging Face, and a vLLM generation.
 """
@@ -49,7 +56,7 @@ import torch
 from examples.demo.tasks import TASKS, DemoTask
 from examples.demo.tp_step import demo_batch, next_token_loss
 from examples.tiny_model import TinyModelSpec, make_tiny_model
-from megatron_rl.config import load_config
+from megatron_rl.config import load_config, read_yaml
 from megatron_rl.launch import run_torchrun
 from megatron_rl.parallel.distributed import pin_threads
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
@@ -185,6 +192,10 @@ def read_curves(metrics_file: Path) -> dict:
     pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
     step_s = [r["timing/step_s"] for r in train if "timing/step_s" in r]
+    elapsed, total = {0: 0.0}, 0.0  # wall time of the PPO steps up to each step
+    for r in train:
+        total += r.get("timing/step_s", 0.0)
+        elapsed[r["step"]] = total
     peaks = [r["memory/train_peak_gib"] for r in train if "memory/train_peak_gib" in r]
     cost = {  # what the run took: the median PPO step, the largest training-phase peak
         "step_s": statistics.median(step_s) if step_s else float("nan"),
@@ -195,7 +206,7 @@ def read_curves(metrics_file: Path) -> dict:
              if "rollout/multi_turn/tool_calls/mean" in r}  # fmt: skip
     return {
         "reward": reward, "eval": evals, "pretrain_ev": pretrain_ev, "tool_calls": tools,
-        "cost": cost, "checkpoint_mib": checkpoint_mib(metrics_file.parent),
+        "cost": cost, "checkpoint_mib": checkpoint_mib(metrics_file.parent), "elapsed": elapsed,
     }  # fmt: skip
 
 
@@ -207,18 +218,40 @@ def checkpoint_mib(run_dir: Path) -> float:
     return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file()) / 2**20
 
 
-def cost_table(arms: dict[str, dict[int, dict]]) -> str:
+def steps_to(curves: dict, bar: float) -> tuple[int, float] | None:
+    """The first evaluated step whose held-out accuracy reaches `bar`, and the wall time of
+    the PPO steps up to it (s); None if no evaluation did."""
+    for step, acc in sorted(curves["eval"].items()):
+        if acc >= bar:
+            return step, curves["elapsed"].get(step, float("nan"))
+    return None
+
+
+def cost_table(
+    arms: dict[str, dict[int, dict]], min_gain: float = MIN_GAIN, teacher: float | None = None
+) -> str:
     """Per recipe and seed: the held-out gain, the median step time, the training phase's
-    peak memory (tracked tensors, `memory/train_peak_gib`) and the last checkpoint's size."""
-    lines = ["recipe                    seed   gain  step s  train peak GiB  checkpoint MiB"]
+    peak memory (tracked tensors, `memory/train_peak_gib`), the last checkpoint's size, the
+    step and wall time at which the accuracy first reached its start + `min_gain` ("-": never),
+    and with a `teacher` accuracy, the step it first reached that."""
+    lines = [
+        "recipe                    seed   gain  step s  train peak GiB  checkpoint MiB"
+        "  to +gain (step, s)" + ("  to teacher" if teacher is not None else "")
+    ]
     for name, curves in arms.items():
         for seed, c in curves.items():
             ev = c["eval"]
-            lines.append(
+            hit = steps_to(c, ev[min(ev)] + min_gain)
+            line = (
                 f"{name:<24}  {seed:>4}  {ev[max(ev)] - ev[min(ev)]:+.2f}  "
                 f"{c['cost']['step_s']:6.2f}  {c['cost']['train_peak_gib']:14.3f}  "
-                f"{c['checkpoint_mib']:14.1f}"
+                f"{c['checkpoint_mib']:14.1f}  "
+                + (f"{hit[0]:>7} {hit[1]:8.0f}" if hit else f"{'-':>7} {'-':>8}")
             )
+            if teacher is not None:
+                reached = steps_to(c, teacher)
+                line += f"  {reached[0] if reached else '-':>10}"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -290,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
         "its gains, step times, peak memory and checkpoint sizes are printed beside",
     )
     p.add_argument(
+        "--teacher",
+        help="a recipe trained first (seed 0) whose last actor checkpoint is the teacher of "
+        "every arm whose recipe has a `teacher` section (on-policy distillation)",
+    )
+    p.add_argument(
         "--min-gain", type=float, default=MIN_GAIN, help="held-out accuracy gain every seed needs"
     )
     p.add_argument(
@@ -319,11 +357,22 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     name = Path(recipe).stem
     arms = {name: recipe, **({Path(a.beside).stem: a.beside} if a.beside else {})}
+    teacher_path, teacher_acc = None, None
+    if a.teacher:
+        teacher_dir = a.dir / f"teacher-{Path(a.teacher).stem}"
+        run_rl(a.teacher, sft_dir, teacher_dir, seed=0)
+        teacher_path = teacher_dir / "checkpoints" / "latest"
+        teacher_path = teacher_dir / "checkpoints" / teacher_path.read_text().strip() / "actor"
+        teacher_ev = read_curves(teacher_dir / "metrics.jsonl")["eval"]
+        teacher_acc = teacher_ev[max(teacher_ev)]
+        print(f"[2/5] teacher {teacher_path}: held-out accuracy {teacher_acc:.2f}", flush=True)
     results = {arm: {} for arm in arms}
     for seed in seeds:
         for arm, arm_recipe in arms.items():
             run_dir = a.dir / f"{arm}-seed{seed}"
-            run_rl(arm_recipe, sft_dir, run_dir, seed)
+            taught = teacher_path is not None and "teacher" in read_yaml(arm_recipe)
+            overrides = [f"teacher.path={teacher_path}"] if taught else []
+            run_rl(arm_recipe, sft_dir, run_dir, seed, overrides)
             results[arm][seed] = read_curves(run_dir / "metrics.jsonl")
             print(f"[3/5] {arm} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)
     curves = results[name]
@@ -335,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
     if a.beside:
-        print(f"beside {Path(a.beside).stem}, in this run:\n{cost_table(results)}", flush=True)
+        table = cost_table(results, a.min_gain, teacher_acc)
+        print(f"beside {Path(a.beside).stem}, in this run:\n{table}", flush=True)
     for seed, c in curves.items():
         if c["tool_calls"]:
             steps = sorted(c["tool_calls"])

@@ -213,5 +213,15 @@ def test_the_cost_table_puts_each_recipe_beside_the_other(tmp_path):
     assert curves["cost"] == {"step_s": 7.0, "train_peak_gib": 1.03}
     assert curves["checkpoint_mib"] == 1.0
     table = cost_table({"lora": {0: curves}, "full": {0: curves}}).splitlines()
-    assert table[1].split() == ["lora", "0", "+0.30", "7.00", "1.030", "1.0"]
+    # +0.25 reached at step 3, after 6 + 7 + 8 s of steps
+    assert table[1].split() == ["lora", "0", "+0.30", "7.00", "1.030", "1.0", "3", "21"]
     assert table[2].split()[0] == "full"
+    # distillation: the step each arm first reached the teacher's accuracy, "-" for never
+    assert (
+        cost_table({"distill": {0: curves}}, 0.25, teacher=0.5).splitlines()[1].split()[-1] == "3"
+    )
+    assert cost_table({"distill": {0: curves}}, 0.4, teacher=0.9).splitlines()[1].split()[-3:] == [
+        "-",
+        "-",
+        "-",
+    ]
