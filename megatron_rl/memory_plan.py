@@ -72,6 +72,7 @@ OFFLOADABLE = {
     "actor": ("weights", "grads", "optimizer"),
     "critic": ("weights", "grads", "optimizer"),
     "reference": ("weights",),
+    "teacher": ("weights",),
 }
 """The states each role can move off the device for generation (see `offload`)."""
 
@@ -110,6 +111,9 @@ class MemoryPlanConfig:
     critic: bool = True
     reference: bool = False
     """A reference policy for the KL term (VAPO has none)."""
+    teacher: ModelArchitecture | None = None
+    """On-policy distillation's teacher (`teacher.path`'s architecture, larger than the
+    policy allowed): frozen weights on the job's layout, forward only, like the reference."""
     lora_rank: int = 0
     """LoRA on the actor and the critic (`actor.lora.rank`, every linear but the experts):
     the base weights frozen (no gradient, no optimizer state), the adapters trained, the
@@ -125,7 +129,8 @@ class MemoryPlanConfig:
     offload: tuple[str, ...] = ()
     """States in host memory (or freed) while vLLM generates, by `MemoryPlan.states` key:
     actor_weights (actor.param_offload), actor_grads (grad_offload), actor_optimizer
-    (optimizer_offload), the critic's alike, reference_weights (actor.ref_param_offload)."""
+    (optimizer_offload), the critic's alike, reference_weights (actor.ref_param_offload),
+    teacher_weights (teacher.param_offload)."""
 
     def __post_init__(self) -> None:
         if self.recompute_granularity not in RECOMPUTE:
@@ -514,6 +519,18 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
         for kind, n in model_state_bytes(params[role], c, trainable, experts).items():
             states[f"{role}_{kind}"] = n
     params = {r: n + experts for r, n in params.items()}
+    if c.teacher is not None:  # frozen, on the same layout: its weights alone
+        try:
+            c.teacher.check_divisible(
+                tp, pp * (c.virtual_pipeline_model_parallel_size or 1), etp, ep
+            )
+        except ValueError as e:
+            raise PlanError(f"the teacher: {e}") from None
+        teacher_experts = stage_expert_params(c.teacher, c)
+        params["teacher"] = stage_params(c.teacher, c, "reference")
+        for kind, n in model_state_bytes(params["teacher"], c, False, teacher_experts).items():
+            states[f"teacher_{kind}"] = n
+        params["teacher"] += teacher_experts
     activations = {
         r: activation_bytes(arch, c, r) + head_workspace_bytes(arch, c, r)
         for r in roles
@@ -559,7 +576,7 @@ def summary_row(plan: MemoryPlan) -> dict[str, object]:
         "fp8": c.fp8,
         "dist_opt": c.use_distributed_optimizer,
     }
-    for role in ("actor", "critic", "reference"):
+    for role in ("actor", "critic", "reference", "teacher"):
         n = sum(v for k, v in plan.states.items() if k.startswith(role + "_"))
         if n:
             row[f"{role}_states_gib"] = gib(n)

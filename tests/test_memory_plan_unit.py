@@ -168,11 +168,11 @@ def test_offload_takes_exactly_its_states_bytes_off_the_generation_peak():
     base = MemoryPlanConfig(
         tensor_model_parallel_size=8, pipeline_model_parallel_size=2, data_parallel_size=8,
         sequence_parallel=True, recompute_granularity="full", seq_length=22528,
-        reference=True, vllm_gpu_memory_utilization=0.5,
+        reference=True, vllm_gpu_memory_utilization=0.5, teacher=arch,
     )  # fmt: skip
     plain = plan_memory(arch, base)
     keys = [f"{role}_{kind}" for role, kinds in OFFLOADABLE.items() for kind in kinds]
-    assert len(keys) == 7 and plain.offloaded_bytes == 0
+    assert len(keys) == 8 and plain.offloaded_bytes == 0
     for key in keys:
         moved = plan_memory(arch, dataclasses.replace(base, offload=(key,)))
         assert plain.states[key] > 0 and moved.offloaded_bytes == plain.states[key]
@@ -420,3 +420,27 @@ def test_the_32b_lora_recipe_fits_4_gpus_with_offload_and_not_without():
     assert plan.fits and plan.config.num_gpus == 4
     assert not plan_memory(arch, MemoryPlanConfig(**{**settings, "offload": ()})).fits
     assert not plan_memory(arch, MemoryPlanConfig(**{**settings, "lora_rank": 0})).fits
+
+
+def test_a_teachers_weights_are_priced_on_the_jobs_layout_and_offloadable():
+    """On-policy distillation: the teacher (its own architecture) adds its bf16 weights on
+    the busiest stage, no gradient or optimizer state; the 7B-from-32B recipe fits one node of
+    8 GPUs with them in host memory while vLLM generates, and not without."""
+    from megatron_rl.memory_plan import stage_params
+
+    settings = recipe_settings("examples/qwen2.5-7b/distill_from_32b.yaml")
+    assert settings["teacher"] is None  # its path is not here: the tool asks for --teacher
+    student, teacher = preset_arch("qwen2.5-7b"), preset_arch("qwen2.5-32b")
+    config = MemoryPlanConfig(**{**settings, "teacher": teacher, "data_parallel_size": 2})
+    plan = plan_memory(student, config)
+    assert plan.states["teacher_weights"] == 2 * stage_params(teacher, config, "reference")
+    assert not any(k.startswith("teacher_") and k != "teacher_weights" for k in plan.states)
+    assert settings["offload"] == ("teacher_weights",)
+    assert plan.fits and plan.config.num_gpus == 8
+    assert not plan_memory(student, MemoryPlanConfig(**{**config.__dict__, "offload": ()})).fits
+    # a layout the student takes (Qwen3-8B: 32 heads) but the teacher does not (28)
+    with pytest.raises(PlanError, match="the teacher: .* does not divide num_attention_heads=28"):
+        plan_memory(
+            preset_arch("qwen3-8b"),
+            MemoryPlanConfig(tensor_model_parallel_size=8, teacher=student),
+        )

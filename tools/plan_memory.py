@@ -56,14 +56,17 @@ def recipe_offload(c) -> tuple[str, ...]:
         "critic_grads": c.use_critic and c.critic.grad_offload,
         "critic_optimizer": c.use_critic and c.critic.optimizer_offload,
         "reference_weights": c.use_reference and c.actor.ref_param_offload,
+        "teacher_weights": c.use_teacher and c.teacher.param_offload,
     }
     return tuple(k for k, on in asked.items() if on)
 
 
-def offload_keys(text: str, critic: bool, reference: bool) -> tuple[str, ...]:
+def offload_keys(
+    text: str, critic: bool, reference: bool, teacher: bool = False
+) -> tuple[str, ...]:
     """--offload: kinds (params, grads, optimizer) for every role the plan has, or state keys."""
     kinds = {"params": "weights", "grads": "grads", "optimizer": "optimizer"}
-    roles = ["actor"] + ["critic"] * critic + ["reference"] * reference
+    roles = ["actor"] + ["critic"] * critic + ["reference"] * reference + ["teacher"] * teacher
     out = []
     for item in filter(None, text.split(",")):
         if item == "none":
@@ -101,7 +104,18 @@ def recipe_settings(path: str) -> dict:
         vllm_tensor_parallel_size=c.rollout.vllm_tensor_parallel_size,
         offload=recipe_offload(c),
         lora_rank=recipe_lora_rank(c),
+        **({"teacher": recipe_teacher(c)} if c.use_teacher else {}),
     )
+
+
+def recipe_teacher(c):
+    """The architecture of the recipe's `teacher.path`, when it is on this machine (else
+    `--teacher` names it)."""
+    from pathlib import Path
+
+    from megatron_rl.models.source import ModelSource
+
+    return ModelSource(c.teacher.path).architecture() if Path(c.teacher.path).exists() else None
 
 
 def recipe_lora_rank(c) -> int:
@@ -172,6 +186,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--lora-rank", type=int, help="LoRA on the actor and critic (0: full fine-tuning)"
     )
+    p.add_argument(
+        "--teacher",
+        help="on-policy distillation's teacher: a preset or HF directory, as --model "
+        "(default: the recipe's teacher.path when it is here)",
+    )
     p.add_argument("--vllm-gpu-memory-utilization", type=_list(float))
     p.add_argument("--vllm-tp", type=int)
     p.add_argument("--vllm-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
@@ -220,9 +239,25 @@ def main(argv=None) -> int:
         "reserved_gib": a.reserved_gib,
     }
     base.update({k: v for k, v in scalars.items() if v is not None})
+    try:
+        if a.teacher:
+            base["teacher"] = resolve_arch(a.teacher)
+    except ValueError as e:
+        print(f"plan_memory: --teacher: {e}", file=sys.stderr)
+        return 2
+    if "teacher" in base and base["teacher"] is None:
+        print(
+            "plan_memory: the recipe's teacher.path is not on this machine: name its "
+            "architecture with --teacher (a preset or an HF directory)",
+            file=sys.stderr,
+        )
+        return 2
     if a.offload is not None:
         base["offload"] = offload_keys(
-            a.offload, base.get("critic", True), base.get("reference", False)
+            a.offload,
+            base.get("critic", True),
+            base.get("reference", False),
+            base.get("teacher") is not None,
         )
     sweeps = {
         "tensor_model_parallel_size": a.tp,

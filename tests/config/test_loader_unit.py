@@ -25,6 +25,7 @@ from megatron_rl.rewards import MathRewardConfig, PythonRewardConfig
 RECIPES = sorted(Path("examples/tiny").glob("*.yaml")) + [
     Path("examples/qwen2.5-32b/vapo.yaml"),
     Path("examples/qwen2.5-32b/vapo_lora.yaml"),
+    Path("examples/qwen2.5-7b/distill_from_32b.yaml"),
     Path("examples/qwen3-30b-a3b/grpo.yaml"),
 ]
 
