@@ -43,7 +43,8 @@ test: $(STAMP)
 # training equal to colocated, stop and resume), resumes at another layout or past a truncated
 # file, parameter offload, the reward-model -> critic conversion, the rewards benchmark, a
 # SIGTERM to the launcher with a hanging judge, a node per rank's failure report, a LoRA run,
-# Mixtral's conversion round trip, a MoE checkpoint's logits at another layout.
+# the conversion round trips of the tied model at TP2PP2, Qwen3-MoE at EP2 and Mixtral, the
+# LoRA merge against PEFT, a MoE checkpoint's logits at another layout.
 # ~45 min on 2 cores, a tier of its own to keep `make test` within 20 minutes; .ci/run runs
 # every tier.
 test-e2e: $(STAMP)

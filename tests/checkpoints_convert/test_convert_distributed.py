@@ -86,13 +86,14 @@ def assert_bit_identical(a_dir, b_dir):
     [
         # TP2PP2 once (tied: the embedding shared across the first and last stage is the
         # harder case). Untied TP=2 -> TP=1: the reward-model -> critic test; untied TP2 ->
-        # trained -> TP1 and PP2: tests/trainer/test_journey_distributed.py.
-        ("tied", (2, 2), (1, 2)),
+        # trained -> TP1 and PP2: tests/trainer/test_journey_distributed.py. ~30 s each: the
+        # journeys' tier (make test reached 21 min 24 s).
+        pytest.param("tied", (2, 2), (1, 2), marks=pytest.mark.e2e),
         # Qwen3: the q/k norms through megatron's sharded checkpoint, head_dim != hidden/heads.
         ("qwen3", (2, 1), (1, 2)),
         # Experts saved split over EP (4 per rank), loaded whole on two pipeline stages; and
         # saved split over expert-TP (TP2+SP), loaded at EP2 with the dense part whole.
-        ("qwen3-moe", (1, 1, "--ep", "2"), (1, 2)),
+        pytest.param("qwen3-moe", (1, 1, "--ep", "2"), (1, 2), marks=pytest.mark.e2e),
         # ~30 s: the journeys' tier (make test reached 19 min 41 s with the LoRA tests)
         pytest.param("mixtral", (2, 1), (1, 1, "--ep", "2"), marks=pytest.mark.e2e),
     ],
@@ -156,6 +157,7 @@ def lora_adapter(tiny_model_dir, tmp_path_factory):
     return out, model
 
 
+@pytest.mark.e2e  # ~30 s: the journeys' tier (make test reached 21 min 24 s)
 def test_lora_merge_equals_peft_forward(tiny_model_dir, lora_adapter, tmp_path):
     from transformers import AutoModelForCausalLM
 
