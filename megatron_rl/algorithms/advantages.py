@@ -307,7 +307,7 @@ def gae_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Advantag
     return _outputs(advantages, returns, inputs, config.whiten_advantages, per_sequence)
 
 
-@register_adv_est("on_policy_distill")
+@register_adv_est("on_policy_distill", needs_teacher=True)
 def on_policy_distill_advantages(
     inputs: AdvantageInputs, config: AdvantageConfig
 ) -> AdvantageOutputs:

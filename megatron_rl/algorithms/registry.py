@@ -24,6 +24,9 @@ class EstimatorTraits:
     needs_groups: bool = False
     """It compares the samples of one prompt (GRPO, RLOO, REINFORCE++ baseline): it needs
     n_samples_per_prompt >= 2 and whole groups (no rating strategy that drops samples)."""
+    needs_teacher: bool = False
+    """It takes its whole signal from a teacher (on-policy distillation alone): the run
+    needs `teacher.path` and has no use for a critic."""
 
 
 def registrar(

@@ -66,16 +66,17 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
 def check_teacher(config: TrainConfig) -> None:
     """On-policy distillation: the estimator that is the teacher's signal alone has a
     teacher and no critic; the teacher reads the student's tokens as the student wrote them."""
-    alone = config.algorithm.estimator == "on_policy_distill"
+    estimator = config.algorithm.estimator
+    alone = estimator_traits(estimator).needs_teacher
     if alone and not config.use_teacher:
         raise ConfigError(
-            "algorithm.estimator=on_policy_distill takes its whole signal from a teacher: "
+            f"algorithm.estimator={estimator} takes its whole signal from a teacher: "
             "set teacher.path"
         )
     if alone and config.critic.enable:
         raise ConfigError(
-            "critic.enable=true with algorithm.estimator=on_policy_distill: the estimator "
-            "reads no values (the teacher's per-token signal needs no baseline)"
+            f"critic.enable=true with algorithm.estimator={estimator}: the estimator reads "
+            "no values (the teacher's per-token signal needs no baseline)"
         )
     if not config.use_teacher:
         if config.teacher.param_offload:

@@ -1,9 +1,9 @@
 """Experience maker: rated samples -> a TrainingBatch with everything the losses read.
 
 samples -> tokens + response mask, scores, groups
+        -> old log-probs (the actor before this step's updates)
         -> reference log-probs (only when a KL term is on)
         -> teacher log-probs (on-policy distillation: a `teacher` is configured)
-        -> old log-probs (the actor before this step's updates)
         -> values (only with a critic)
         -> advantages and returns (the configured estimator; whitening with moments
            all-reduced over data-parallel ranks, so it is global), plus the teacher's

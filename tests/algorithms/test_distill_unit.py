@@ -47,7 +47,8 @@ def test_the_distillation_estimator_gives_no_task_advantage_and_needs_no_critic(
     )
     assert (out.advantages == 0).all() and (out.returns == 0).all() and not out.whitened
     traits = estimator_traits("on_policy_distill")
-    assert not traits.needs_critic and not traits.needs_groups
+    assert traits.needs_teacher and not traits.needs_critic and not traits.needs_groups
+    assert not any(estimator_traits(n).needs_teacher for n in ("gae", "grpo", "rloo"))
 
 
 def test_log_probs_of_other_shapes_are_refused():
