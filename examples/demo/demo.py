@@ -27,12 +27,12 @@ answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer 
 training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
 0.5).
 
-On-policy distillation (`--recipe examples/tiny/distill_count_on.yaml --teacher
-examples/tiny/vapo_count_on.yaml --beside examples/tiny/vapo_count_on.yaml`): the teacher
-recipe is trained first (seed 0, same warm start), its last actor checkpoint becomes
-`teacher.path` of every arm whose recipe has a `teacher` section; the table beside then
-gives each arm's steps and wall time to the pass mark and whether it reached the teacher's
-accuracy.
+On-policy distillation (`--distill examples/tiny/distill_count_on.yaml`, in `make demo`):
+after the recipe's first seed, its last actor checkpoint is the teacher of a distillation
+run from the same warm start on every seed, which evaluates the teacher too before training
+(`teacher.evaluate`: `eval/teacher/accuracy`, with the student's seeds); the table beside
+gives each arm's steps and wall time to the pass mark and to the teacher's accuracy. Every
+arm must gain `--min-gain` on every seed.
 
 `--smoke` runs the older stack check instead: a Megatron TP=2 forward/backward against
 Hugging Face, and a vLLM generation.
@@ -56,7 +56,7 @@ import torch
 from examples.demo.tasks import TASKS, DemoTask
 from examples.demo.tp_step import demo_batch, next_token_loss
 from examples.tiny_model import TinyModelSpec, make_tiny_model
-from megatron_rl.config import load_config, read_yaml
+from megatron_rl.config import load_config
 from megatron_rl.launch import run_torchrun
 from megatron_rl.parallel.distributed import pin_threads
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
@@ -188,6 +188,9 @@ def read_curves(metrics_file: Path) -> dict:
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
+    # the teacher's accuracy, evaluated in this run before training (`teacher.evaluate`)
+    teacher = next((r["eval/teacher/accuracy"] for r in records if "eval/teacher/accuracy" in r),
+                   None)  # fmt: skip
     pretrain = [r.get("critic/vf_explained_var") for r in records if r["stage"] == "value_pretrain"]
     pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
@@ -205,7 +208,8 @@ def read_curves(metrics_file: Path) -> dict:
     tools = {r["step"]: r["rollout/multi_turn/tool_calls/mean"] for r in train
              if "rollout/multi_turn/tool_calls/mean" in r}  # fmt: skip
     return {
-        "reward": reward, "eval": evals, "pretrain_ev": pretrain_ev, "tool_calls": tools,
+        "reward": reward, "eval": evals, "teacher": teacher, "pretrain_ev": pretrain_ev,
+        "tool_calls": tools,
         "cost": cost, "checkpoint_mib": checkpoint_mib(metrics_file.parent), "elapsed": elapsed,
     }  # fmt: skip
 
@@ -227,16 +231,18 @@ def steps_to(curves: dict, bar: float) -> tuple[int, float] | None:
     return None
 
 
-def cost_table(
-    arms: dict[str, dict[int, dict]], min_gain: float = MIN_GAIN, teacher: float | None = None
-) -> str:
+def cost_table(arms: dict[str, dict[int, dict]], min_gain: float = MIN_GAIN) -> str:
     """Per recipe and seed: the held-out gain, the median step time, the training phase's
     peak memory (tracked tensors, `memory/train_peak_gib`), the last checkpoint's size, the
     step and wall time at which the accuracy first reached its start + `min_gain` ("-": never),
-    and with a `teacher` accuracy, the step it first reached that."""
+    and where some arm of the seed evaluated a teacher, that accuracy and the step at which
+    this arm first reached it."""
+    teachers = {
+        seed: c["teacher"] for curves in arms.values() for seed, c in curves.items() if c["teacher"]
+    }
     lines = [
         "recipe                    seed   gain  step s  train peak GiB  checkpoint MiB"
-        "  to +gain (step, s)" + ("  to teacher" if teacher is not None else "")
+        "  to +gain (step, s)" + ("  teacher  to teacher" if teachers else "")
     ]
     for name, curves in arms.items():
         for seed, c in curves.items():
@@ -248,9 +254,9 @@ def cost_table(
                 f"{c['checkpoint_mib']:14.1f}  "
                 + (f"{hit[0]:>7} {hit[1]:8.0f}" if hit else f"{'-':>7} {'-':>8}")
             )
-            if teacher is not None:
-                reached = steps_to(c, teacher)
-                line += f"  {reached[0] if reached else '-':>10}"
+            if seed in teachers:
+                reached = steps_to(c, teachers[seed])
+                line += f"  {teachers[seed]:7.4f}  {reached[0] if reached else '-':>10}"
             lines.append(line)
     return "\n".join(lines)
 
@@ -323,9 +329,9 @@ def main(argv: list[str] | None = None) -> None:
         "its gains, step times, peak memory and checkpoint sizes are printed beside",
     )
     p.add_argument(
-        "--teacher",
-        help="a recipe trained first (seed 0) whose last actor checkpoint is the teacher of "
-        "every arm whose recipe has a `teacher` section (on-policy distillation)",
+        "--distill",
+        help="an on-policy distillation recipe run on every seed after the recipe's, its "
+        "teacher the recipe's first seed's last actor checkpoint",
     )
     p.add_argument(
         "--min-gain", type=float, default=MIN_GAIN, help="held-out accuracy gain every seed needs"
@@ -356,25 +362,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[2/5] supervised warm start ({a.sft_steps or task.sft_steps} steps): {sft_dir}",
           flush=True)  # fmt: skip
     name = Path(recipe).stem
-    arms = {name: recipe, **({Path(a.beside).stem: a.beside} if a.beside else {})}
-    teacher_path, teacher_acc = None, None
-    if a.teacher:
-        teacher_dir = a.dir / f"teacher-{Path(a.teacher).stem}"
-        run_rl(a.teacher, sft_dir, teacher_dir, seed=0)
-        teacher_path = teacher_dir / "checkpoints" / "latest"
-        teacher_path = teacher_dir / "checkpoints" / teacher_path.read_text().strip() / "actor"
-        teacher_ev = read_curves(teacher_dir / "metrics.jsonl")["eval"]
-        teacher_acc = teacher_ev[max(teacher_ev)]
-        print(f"[2/5] teacher {teacher_path}: held-out accuracy {teacher_acc:.2f}", flush=True)
+    arms = {name: recipe}
+    for extra in (a.beside, a.distill):
+        if extra:
+            arms[Path(extra).stem] = extra
+    teacher = None  # the recipe's first seed's last actor checkpoint (--distill)
     results = {arm: {} for arm in arms}
     for seed in seeds:
         for arm, arm_recipe in arms.items():
             run_dir = a.dir / f"{arm}-seed{seed}"
-            taught = teacher_path is not None and "teacher" in read_yaml(arm_recipe)
-            overrides = [f"teacher.path={teacher_path}"] if taught else []
+            overrides = [f"teacher.path={teacher}"] if arm_recipe == a.distill else []
             run_rl(arm_recipe, sft_dir, run_dir, seed, overrides)
             results[arm][seed] = read_curves(run_dir / "metrics.jsonl")
             print(f"[3/5] {arm} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)
+            if arm == name and teacher is None:
+                latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+                teacher = run_dir / "checkpoints" / latest / "actor"
     curves = results[name]
     png = a.dir / "reward_curve.png"
     title = f"Tiny {name} on {task.title} (2 CPU ranks, TP=2), seeds {a.seeds}"
@@ -383,9 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     table, failing = gain_table(curves, a.min_gain)
     print(f"[5/5] held-out accuracy ({task.accuracy}) per seed ({time.time() - t0:.0f} s in all, "
           f"{a.threads} thread(s) per process):\n{table}", flush=True)  # fmt: skip
-    if a.beside:
-        table = cost_table(results, a.min_gain, teacher_acc)
-        print(f"beside {Path(a.beside).stem}, in this run:\n{table}", flush=True)
+    if len(arms) > 1:
+        print(f"the arms side by side, in this run:\n{cost_table(results, a.min_gain)}",
+              flush=True)  # fmt: skip
     for seed, c in curves.items():
         if c["tool_calls"]:
             steps = sorted(c["tool_calls"])
@@ -397,6 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     if weak:  # the trainer warned too; the summary is where it is read
         print(f"warning: value pretraining ended below explained variance {floor} on seed(s) "
               f"{weak}: advantages lean on a critic that explains little", flush=True)  # fmt: skip
+    for arm in list(arms)[1:]:
+        failing += [f"{arm} {seed}" for seed in gain_table(results[arm], a.min_gain)[1]]
     if failing:
         raise SystemExit(
             f"the demo did not learn enough: seed(s) {failing} gained less than "

@@ -9,6 +9,7 @@ remote reward server being up); those fail on the first step, named by their own
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 from pathlib import Path
@@ -79,22 +80,46 @@ def check_teacher(config: TrainConfig) -> None:
             "no values (the teacher's per-token signal needs no baseline)"
         )
     if not config.use_teacher:
-        if config.teacher.param_offload:
-            raise ConfigError(
-                "teacher.param_offload=true without teacher.path: there is no teacher"
-            )
+        for key in ("param_offload", "evaluate"):
+            if getattr(config.teacher, key):
+                raise ConfigError(f"teacher.{key}=true without teacher.path: there is no teacher")
         return
-    student, teacher = (
-        ModelSource(config.model.path).hf_dir,
-        ModelSource(config.teacher.path).hf_dir,
-    )
-    differences = tokenizer_differences(student, teacher)
+    student, teacher = ModelSource(config.model.path), ModelSource(config.teacher.path)
+    if config.teacher.evaluate:
+        check_teacher_evaluation(config, student, teacher)
+    differences = tokenizer_differences(student.hf_dir, teacher.hf_dir)
     if differences:
         raise ConfigError(
             f"teacher.path {config.teacher.path}: its tokenizer is not the student's "
             f"(model.path {config.model.path}): {'; '.join(differences)}. The teacher scores "
             "the student's token ids as sampled; a teacher of another tokenizer or chat "
             "template would score another sequence"
+        )
+
+
+def check_teacher_evaluation(config: TrainConfig, student, teacher) -> None:
+    """`teacher.evaluate` puts the teacher's weights into the student's rollout engine: the
+    engine must be this rank's (colocated) and built for the teacher's architecture."""
+    where = f"teacher.evaluate=true with teacher.path {config.teacher.path}"
+    if not config.trainer.eval_sets:
+        raise ConfigError(f"{where}: trainer.eval_sets is empty, there is nothing to evaluate")
+    if config.rollout.placement != "colocated":
+        raise ConfigError(
+            f"{where}: needs rollout.placement=colocated (got {config.rollout.placement}): the "
+            "engine ranks of a disaggregated rollout take policy versions in order only"
+        )
+    # init_method_std only draws a fresh model's weights: the forward does not read it
+    mine = dataclasses.replace(student.architecture(), init_method_std=0.0)
+    theirs = dataclasses.replace(teacher.architecture(), init_method_std=0.0)
+    if mine != theirs:
+        differ = [
+            f"{f.name} {getattr(theirs, f.name)} vs {getattr(mine, f.name)}"
+            for f in dataclasses.fields(mine)
+            if getattr(mine, f.name) != getattr(theirs, f.name)
+        ]
+        raise ConfigError(
+            f"{where}: the rollout engine is built for the student's architecture and the "
+            f"teacher's differs ({'; '.join(differ)}): evaluate the teacher on its own"
         )
 
 

@@ -59,6 +59,7 @@ CONSOLE_KEYS = (
     "critic/vf_explained_var",
     "actor/reward_kl",
     "eval/accuracy",
+    "eval/teacher/accuracy",
 )
 """The few numbers the console shows per step; the rest are in the logs."""
 SUMMARY_KEYS = (

@@ -358,3 +358,25 @@ def test_a_teacher_must_read_the_students_tokens_and_the_distillation_estimator_
         validate_config(config_for(tiny_model_dir, "teacher.param_offload=true"), 2)
     with pytest.raises(ConfigError, match=r"kl_coef must be > 0"):
         config_for(tiny_model_dir, f"teacher.path={tiny_teacher_dir}", "teacher.kl_coef=0")
+
+
+def test_evaluating_the_teacher_needs_the_students_architecture_and_a_colocated_engine(
+    tiny_model_dir, tiny_teacher_dir
+):
+    """`teacher.evaluate` pushes the teacher's weights into the student's rollout engine:
+    a teacher of the student's architecture (here the student's own start) passes; a larger
+    one, a disaggregated rollout, no eval set or no teacher is refused by name."""
+    same = (f"teacher.path={tiny_model_dir}", "teacher.evaluate=true")
+    validate_config(config_for(tiny_model_dir, *same), 2)
+    with pytest.raises(ConfigError, match=r"teacher.evaluate=true without teacher.path"):
+        validate_config(config_for(tiny_model_dir, "teacher.evaluate=true"), 2)
+    larger = (f"teacher.path={tiny_teacher_dir}", "teacher.evaluate=true")
+    with pytest.raises(
+        ConfigError, match=r"teacher's differs \(num_layers 6 vs 4; hidden_size 192 vs 128"
+    ):
+        validate_config(config_for(tiny_model_dir, *larger), 2)
+    apart = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
+    with pytest.raises(ConfigError, match=r"needs rollout.placement=colocated \(got disaggr"):
+        validate_config(config_for(tiny_model_dir, *same, *apart), 3)
+    with pytest.raises(ConfigError, match=r"trainer.eval_sets is empty"):
+        validate_config(config_for(tiny_model_dir, *same, "trainer.eval_data_path=null"), 2)
