@@ -66,7 +66,12 @@ def test_a_node_per_rank_reports_the_failing_rank_and_kills_a_hung_job(monkeypat
     assert leftover.stdout.strip() == "", "a worker outlived the timeout"
 
 
-@pytest.mark.parametrize("as_nodes", [False, True], ids=["local", "node-per-rank"])
+@pytest.mark.parametrize(
+    "as_nodes",
+    # node-per-rank: the journeys' tier (~25 s), to keep `make test` under 20 minutes
+    [False, pytest.param(True, marks=pytest.mark.e2e)],
+    ids=["local", "node-per-rank"],
+)
 def test_a_launch_whose_port_was_taken_is_repeated_on_a_fresh_port(monkeypatch, as_nodes):
     """`free_port` can hand out a port another process binds before torchrun does (seen on
     the GPU machine): the rendezvous fails with EADDRINUSE before any worker starts, and the

@@ -154,6 +154,7 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_at_another_layout(dense
         assert torch.equal(saved[k], resumed[k]), k
 
 
+@pytest.mark.e2e  # the journeys' tier (~35 s), to keep `make test` under 20 minutes
 def test_converters_export_the_checkpoint_merged_and_as_its_adapter_and_import_it_back(
     dense, tmp_path
 ):

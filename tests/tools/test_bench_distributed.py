@@ -150,7 +150,7 @@ def test_bench_entry_lists_and_refuses_unknown_names(capsys):
     assert main(["nope"]) == 2 and "unknown benchmark 'nope'" in capsys.readouterr().err
 
 
-@pytest.mark.e2e  # two short training runs: ~2 min, the journeys' tier
+@pytest.mark.e2e  # four short training runs: the journeys' tier
 def test_bench_async_times_each_placement_against_colocated(tmp_path):
     """The baseline and one-step-off apart (apart_k0's runs are the disaggregated e2e
     tests'); each mode's ratio is the baseline's step over its own; the --to-bar runs
@@ -159,20 +159,20 @@ def test_bench_async_times_each_placement_against_colocated(tmp_path):
 
     out = tmp_path / "results.jsonl"
     modes = "colocated,apart_k1"
-    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--modes", modes, "--out", str(out),
-          "--to-bar", "--bar-steps", "2", "--eval-interval", "1"])  # fmt: skip
+    main(["--model", str(tmp_path / "absent"), "--steps", "2", "--modes", modes, "--out", str(out),
+          "--to-bar", "--bar-steps", "1", "--eval-interval", "1"])  # fmt: skip
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
-    assert result["model"] == "fresh tiny random" and result["steps_measured"] == 2
+    assert result["model"] == "fresh tiny random" and result["steps_measured"] == 1
     for mode in ("colocated", "apart_k1"):
         assert result[mode]["step_s"] > 0 and result[mode]["response_length"] > 0
     want = round(result["colocated"]["step_s"] / result["apart_k1"]["step_s"], 3)
     assert result["apart_k1"]["ratio_to_colocated"] == want
     assert result["apart_k1"]["staleness"] == 1.0 and "staleness" not in result["colocated"]
     assert "ideal_ratio_k1_over_k0" not in result  # it needs the synchronous apart run
-    # --to-bar: the recipe's value pretraining and an evaluation after each of 2 steps; a
+    # --to-bar: the recipe's value pretraining and an evaluation after its one step; a
     # random model answers about 1% right, far from the bar
-    assert result["to_bar"] == {"min_gain": 0.25, "steps": 2, "seed": 0, "eval_interval": 1}
+    assert result["to_bar"] == {"min_gain": 0.25, "steps": 1, "seed": 0, "eval_interval": 1}
     for mode in ("colocated", "apart_k1"):
         assert 0 <= result[mode]["accuracy_before"] < 0.1
         assert 0 <= result[mode]["accuracy_end"] < 0.1
