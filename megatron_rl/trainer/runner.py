@@ -446,7 +446,9 @@ class RLTrainer:
             metrics.update(self.memory.end_step(self.step, "train"))
             return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
-        self.rollout.sleep(level=2)  # its weights come back with the sync below
+        # its weights come back with the sync below; an adapter sync keeps the base (level 1)
+        adapters = c.actor.lora.enabled and not c.actor.lora.merge
+        self.rollout.sleep(level=1 if adapters else 2)
         with self.phase("experience"):
             batch, exp_metrics = make_experience(
                 groups,

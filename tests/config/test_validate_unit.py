@@ -380,3 +380,24 @@ def test_evaluating_the_teacher_needs_the_students_architecture_and_a_colocated_
         validate_config(config_for(tiny_model_dir, *same, *apart), 3)
     with pytest.raises(ConfigError, match=r"trainer.eval_sets is empty"):
         validate_config(config_for(tiny_model_dir, *same, "trainer.eval_data_path=null"), 2)
+
+
+def test_adapters_served_by_vllm_need_a_colocated_vllm_engine_and_a_dense_actor(
+    tiny_model_dir, family_dir
+):
+    """`actor.lora.merge: false` (the engine keeps the base and serves the adapters): refused
+    with the HF engine, a disaggregated rollout, a mixture of experts, and on the critic."""
+    adapters = ("actor.lora.rank=8", "actor.lora.merge=false")
+    validate_config(config_for(tiny_model_dir, *adapters), 2)
+    with pytest.raises(ConfigError, match=r"merge=false .* needs rollout.name=vllm, got hf"):
+        validate_config(config_for(tiny_model_dir, *adapters, "rollout.name=hf"), 2)
+    apart = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
+    with pytest.raises(ConfigError, match=r"needs rollout.placement=colocated \(got disaggr"):
+        validate_config(config_for(tiny_model_dir, *adapters, *apart), 3)
+    moe = family_dir("qwen3-moe")
+    with pytest.raises(ConfigError, match=r"merge=false .* with a mixture of experts"):
+        validate_config(config_for(moe, *adapters, "parallel.sequence_parallel=true"), 2)
+    with pytest.raises(ConfigError, match=r"critic.lora.merge=false: the critic is never synced"):
+        validate_config(
+            config_for(tiny_model_dir, "critic.lora.rank=8", "critic.lora.merge=false"), 2
+        )

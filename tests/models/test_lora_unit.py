@@ -37,7 +37,6 @@ def test_targets_by_megatron_and_hugging_face_name(names, megatron):
         ({"target_modules": ("lm_head",)}, "unknown \\['lm_head'\\]"),
         ({"target_modules": ()}, "target_modules is empty"),
         ({"dropout": 0.05}, "lora.dropout=0.05: only 0"),
-        ({"merge": False}, "lora.merge=false"),
         ({"lora_A_init_method": "gaussian"}, "lora_A_init_method 'gaussian'"),
         ({"alpha": 0}, "lora.alpha must be > 0"),
     ],

@@ -14,17 +14,19 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
     "family, layout, vllm_tp, bucket_mb, lora",
     [
         # Megatron TP=2 -> one engine with vLLM TP=2 over both ranks
-        ("tiny-qwen2", "tp2", 2, 512.0, False),
+        ("tiny-qwen2", "tp2", 2, 512.0, None),
         # PP=2 -> an engine per rank; buckets < largest tensor
-        ("tiny-qwen2", "pp2", 1, 0.01, False),
-        ("qwen3", "tp2", 2, 512.0, False),  # q/k norms reach vLLM too
+        ("tiny-qwen2", "pp2", 1, 0.01, None),
+        ("qwen3", "tp2", 2, 512.0, None),  # q/k norms reach vLLM too
         # Experts trained at EP2 (each rank sends its own), an engine per rank; and TP2+SP
         # with EP2 into one engine of vLLM TP 2 (each expert split over both engine ranks).
-        ("qwen3-moe", "ep2", 1, 0.01, False),
-        ("mixtral", "tp2_sp_ep2", 2, 512.0, False),
+        ("qwen3-moe", "ep2", 1, 0.01, None),
+        ("mixtral", "tp2_sp_ep2", 2, 512.0, None),
         # LoRA adapters trained at TP=2: the engine gets the merged weights W + s B A (~45 s:
-        # the journeys' tier, beside the LoRA run that checks the same gap at every step)
-        pytest.param("tiny-qwen2", "tp2", 2, 512.0, True, marks=pytest.mark.e2e),
+        # the journeys' tier, beside the LoRA run that checks the same gap at every step); or
+        # the base once and then the adapters, which vLLM serves (`sync/adapter_sync.py`)
+        pytest.param("tiny-qwen2", "tp2", 2, 512.0, "merged", marks=pytest.mark.e2e),
+        pytest.param("tiny-qwen2", "tp2", 2, 512.0, "adapter", marks=pytest.mark.e2e),
     ],
 )
 def test_sync_makes_engine_logprobs_equal_the_updated_actor(
@@ -44,6 +46,7 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
         "--bucket-mb",
         str(bucket_mb),
         *(["--lora"] if lora else []),
+        *(["--adapter-sync"] if lora == "adapter" else []),
     ]
     run_torchrun("tests.torchrun.weight_sync", args, nproc=2, timeout=400)
     r = torch.load(out)
@@ -56,6 +59,16 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
     # fails once a vLLM release no longer does, and the workaround can go
     moe = family in ("qwen3-moe", "mixtral")
     assert (r["identical_reload_change_without_repack"] > 1e-3) == moe
+    if lora == "adapter":  # one whole-weight sync (the base), then the adapters alone
+        assert r["whole_weight_syncs"] == 1
+        assert r["gap_after_second_sync"] <= 1e-4 and r["change_from_second_sync"] > 1e-3
+        assert r["adapter_dirs"] == ["000002"]  # the first push's files are gone
+        # rank 8 on 4 layers of hidden 128, 2 of 4 heads for k/v, MLP 352: per layer
+        # (8 x 128 + out x 8) for q, k, v, o, gate, up (out 128, 64, 64, 128, 352, 352) and
+        # 8 x 352 + 128 x 8 for down: 18,688 fp32 values, 299,008 bytes of tensors in all,
+        # then the headers; the model's own file is 3.5 MB
+        assert 299_008 < r["adapter_bytes"] < 299_008 + 16_384
+        return
     arch = read_hf_config(hf_dir)
     assert r["stats"]["tensors"] == len(expected_hf_shapes(arch))  # every tensor, once
 

@@ -139,6 +139,14 @@ def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     assert sync["ratio_sync_lora_over_sync_s"] == pytest.approx(
         sync["sync_lora_s"] / sync["sync_s"], rel=0.05
     )
+    # the adapters alone (their load forced by a score, timed apart and taken off)
+    assert sync["sync_adapter_s"] > 0 and sync["score_s"] > 0
+    assert "sync_adapter_gb_per_s" not in sync  # it moves the adapters, not the model
+    assert sync["generated_tokens"]["generate_adapter"] > 0
+    assert sync["ratio_generate_adapter_over_merged_tokens_per_s"] > 0
+    assert sync["ratio_sync_adapter_over_sync_lora_s"] == pytest.approx(
+        (sync["sync_adapter_s"] - sync["score_s"]) / sync["sync_lora_s"], rel=0.05, abs=1e-3
+    )
 
 
 def test_bench_entry_lists_and_refuses_unknown_names(capsys):

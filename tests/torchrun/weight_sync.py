@@ -1,5 +1,7 @@
 """torchrun worker: two actor updates, then a weight sync; engine and actor log-probs agree.
-With --lora the actor trains adapters and the engine gets its merged weights.
+With --lora the actor trains adapters and the engine gets its merged weights; with
+--adapter-sync too, the engine serves them as a LoRA request on the base it got once, and a
+third update's sync sends the adapters alone.
 
 Megatron layout (--layout, LAYOUTS) and the colocated vLLM engine's TP (--vllm-tp; the engine
 runs inside the torchrun world via vLLM's external launcher) are independent. Rank 0 writes
@@ -8,6 +10,7 @@ runs inside the torchrun world via vLLM's external launcher) are independent. Ra
 
 import argparse
 import contextlib
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -22,6 +25,7 @@ from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
+from megatron_rl.sync.adapter_sync import AdapterSync
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -52,6 +56,7 @@ def main():
     p.add_argument("--vllm-tp", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=512)
     p.add_argument("--lora", action="store_true", help="a LoRA actor: its merged weights sync")
+    p.add_argument("--adapter-sync", action="store_true", help="--lora's adapters as such")
     a = p.parse_args()
     arch = read_hf_config(a.hf_dir)
     layout = LAYOUTS[a.layout]
@@ -63,8 +68,11 @@ def main():
     )
     engine = VLLMEngine(
         a.hf_dir,
-        EngineConfig(max_model_len=256, external_launcher=True, tensor_parallel_size=a.vllm_tp),
-    )
+        EngineConfig(
+            max_model_len=256, external_launcher=True, tensor_parallel_size=a.vllm_tp,
+            max_lora_rank=lora.rank if a.adapter_sync else 0,
+        ),
+    )  # fmt: skip
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, arch.vocab_size, (5,), generator=g).tolist() for _ in range(3)]
     batch = samples_to_batch(engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=12)))
@@ -89,12 +97,36 @@ def main():
     gap_before = logprob_gap(before, batch.old_logprobs, mask)["logprob_gap_max"]
     for _ in range(2):
         actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
-    stats = sync_weights(actor, engine, WeightSyncConfig(bucket_mb=a.bucket_mb))
+    adapters = {}
+    if a.adapter_sync:
+        reloads = []
+        update = engine.update_weights
+        engine.update_weights = lambda weights: reloads.append(1) or update(weights)
+        sync = AdapterSync(lora, Path(a.out).parent / "adapter_sync", a.hf_dir)
+        sync.push(actor, engine)  # the base, then the adapters
+        stats = {}
+    else:
+        stats = sync_weights(actor, engine, WeightSyncConfig(bucket_mb=a.bucket_mb))
     after = engine_token_logprobs(engine, batch)
     gap_after = logprob_gap(after, actor.compute_logprobs(batch), mask)
+    if a.adapter_sync:  # one more update: its sync is the adapters alone
+        actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
+        sync.push(actor, engine)
+        second = engine_token_logprobs(engine, batch)
+        written = sorted((Path(a.out).parent / "adapter_sync").iterdir())
+        adapters = {
+            "gap_after_second_sync": logprob_gap(second, actor.compute_logprobs(batch), mask)[
+                "logprob_gap_max"
+            ],
+            "change_from_second_sync": logprob_gap(second, after, mask)["logprob_gap_max"],
+            "whole_weight_syncs": len(reloads),
+            "adapter_dirs": [d.name for d in written],
+            "adapter_bytes": sum(f.stat().st_size for f in written[-1].iterdir()),
+        }
     if ctx.rank == 0:
         torch.save(
             {
+                **adapters,
                 "gap_before_sync": gap_before,
                 "gap_after_sync": gap_after["logprob_gap_max"],
                 "mean_gap_after_sync": gap_after["logprob_gap_mean"],

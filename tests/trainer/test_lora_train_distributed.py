@@ -17,7 +17,14 @@ from transformers import AutoModelForCausalLM
 
 from megatron_rl.models.hf_mapping import HFCheckpointReader
 from tests.tolerances import FP32_MODEL, assert_close
-from tests.trainer.runs import LABEL_REWARD, SMALL_VAPO, metrics, train, write_labelled_prompts
+from tests.trainer.runs import (
+    LABEL_REWARD,
+    SMALL_VAPO,
+    VARIED_REWARD,
+    metrics,
+    train,
+    write_labelled_prompts,
+)
 from tests.trainer.test_train_distributed import measured
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]  # two runs: ~2.5 min
@@ -98,3 +105,29 @@ def test_the_export_is_the_merged_model_and_its_peft_adapter(lora_run, tiny_mode
     exported = HFCheckpointReader(export)
     for name, tensor in merged.state_dict().items():
         assert_close(exported(name), tensor, FP32_MODEL, name)
+
+
+def test_adapters_served_by_vllm_give_the_trainers_log_probs_at_every_step(
+    tiny_model_dir, tmp_path
+):
+    """`actor.lora.merge: false`: RLOO with a KL term for two steps, the engine holding the
+    base once and serving each update's adapters as a LoRA request; its log-probs are the
+    trainer's at every step (the adapters moved the policy: the KL to the base grows)."""
+    out = tmp_path / "run"
+    train(
+        "rloo", out, f"model.path={tiny_model_dir}", VARIED_REWARD, "trainer.total_steps=2",
+        "actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.merge=false",
+        "actor.optim.lr=1e-2", "algorithm.kl_coef=0.05",
+    )  # fmt: skip
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["actor/reward_kl"] == 0.0 and rows[-1]["actor/reward_kl"] > 1e-4
+    for r in rows:
+        assert r["rollout/logprob_gap/max"] <= 1e-4, r["rollout/logprob_gap/max"]
+    # the newest sync's adapter alone is left, as PEFT writes one
+    (newest,) = (out / ".adapter_sync").iterdir()
+    assert newest.name == "000002"  # one per step (the engine started from the base)
+    assert sorted(f.name for f in newest.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
