@@ -188,9 +188,9 @@ def read_curves(metrics_file: Path) -> dict:
     train = [r for r in records if r["stage"] == "train"]
     evals = {r["step"]: r["eval/accuracy"] for r in records if r["stage"] == "eval"}  # step 0
     evals.update({r["step"]: r["eval/accuracy"] for r in train if "eval/accuracy" in r})
-    # the teacher's accuracy, evaluated in this run before training (`teacher.evaluate`)
-    teacher = next((r["eval/teacher/accuracy"] for r in records if "eval/teacher/accuracy" in r),
-                   None)  # fmt: skip
+    # the teacher's accuracy at each evaluation, on the student's draws (`teacher.evaluate`)
+    teacher = {r["step"]: r["eval/teacher/accuracy"] for r in records
+               if "eval/teacher/accuracy" in r}  # fmt: skip
     pretrain = [r.get("critic/vf_explained_var") for r in records if r["stage"] == "value_pretrain"]
     pretrain_ev = settled_explained_variance(pretrain) if pretrain else None
     reward = {r["step"]: r["rollout/reward/mean"] for r in train}
@@ -222,11 +222,13 @@ def checkpoint_mib(run_dir: Path) -> float:
     return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file()) / 2**20
 
 
-def steps_to(curves: dict, bar: float) -> tuple[int, float] | None:
-    """The first evaluated step whose held-out accuracy reaches `bar`, and the wall time of
-    the PPO steps up to it (s); None if no evaluation did."""
+def steps_to(curves: dict, bar: float | dict[int, float]) -> tuple[int, float] | None:
+    """The first evaluated step whose held-out accuracy reaches `bar` (one number, or one per
+    step: the teacher's at each evaluation), and the wall time of the PPO steps up to it
+    (s); None if no evaluation did."""
     for step, acc in sorted(curves["eval"].items()):
-        if acc >= bar:
+        target = bar.get(step) if isinstance(bar, dict) else bar
+        if target is not None and acc >= target:
             return step, curves["elapsed"].get(step, float("nan"))
     return None
 
@@ -235,8 +237,9 @@ def cost_table(arms: dict[str, dict[int, dict]], min_gain: float = MIN_GAIN) -> 
     """Per recipe and seed: the held-out gain, the median step time, the training phase's
     peak memory (tracked tensors, `memory/train_peak_gib`), the last checkpoint's size, the
     step and wall time at which the accuracy first reached its start + `min_gain` ("-": never),
-    and where some arm of the seed evaluated a teacher, that accuracy and the step at which
-    this arm first reached it."""
+    and where some arm of the seed evaluated a teacher, the teacher's mean accuracy over its
+    evaluations and the first step at which this arm's accuracy reached the teacher's at the
+    same step (the same eval draws: a run's request seeds are its seed's and step's)."""
     teachers = {
         seed: c["teacher"] for curves in arms.values() for seed, c in curves.items() if c["teacher"]
     }
@@ -256,7 +259,8 @@ def cost_table(arms: dict[str, dict[int, dict]], min_gain: float = MIN_GAIN) -> 
             )
             if seed in teachers:
                 reached = steps_to(c, teachers[seed])
-                line += f"  {teachers[seed]:7.4f}  {reached[0] if reached else '-':>10}"
+                mean = statistics.mean(teachers[seed].values())
+                line += f"  {mean:7.4f}  {reached[0] if reached else '-':>10}"
             lines.append(line)
     return "\n".join(lines)
 

@@ -338,11 +338,11 @@ class TeacherConfig:
     """The teacher's parameters in host memory from the end of the experience until the
     next one, as `actor.ref_param_offload` does for the reference."""
     evaluate: bool = False
-    """Evaluate the teacher too, once, beside the student's evaluation before training: its
-    weights go into the rollout engine for it, then the actor's come back. Every eval set's
-    metrics as `eval/teacher/...` (`eval/teacher/accuracy` beside `eval/accuracy`), with the
-    student's request seeds; the teacher is frozen, so once is all. Needs eval sets, a
-    colocated rollout and the student's architecture (the engine is built for it)."""
+    """At every evaluation, evaluate the teacher too, with the student's request seeds (the
+    same draws: a paired comparison): its weights go into the rollout engine for it, then
+    the actor's come back. Every eval set's metrics as `eval/teacher/...`
+    (`eval/teacher/accuracy` beside `eval/accuracy`). Needs eval sets, a colocated rollout
+    and the student's architecture (the engine is built for it)."""
 
     def __post_init__(self) -> None:
         if self.kl_coef <= 0:

@@ -256,10 +256,7 @@ class RLTrainer:
         total, interval = t.total_steps, t.save_interval
         if self.rollout.evaluates and self.step == 0:
             with self.watchdog.watch("the evaluation before training"):
-                metrics = self.evaluate()
-                if self.config.teacher.evaluate:
-                    metrics.update(self.evaluate_teacher())
-                self.logger.log(0, metrics, "eval")
+                self.logger.log(0, self.evaluate(), "eval")
         while self.step < total:
             with self.watchdog.watch(f"train step {self.step + 1}"):  # trainer.step_timeout_s
                 # rollout -> experience -> PPO epochs -> weight sync; None: aborted and saved
@@ -494,16 +491,18 @@ class RLTrainer:
 
     @in_phase("eval")
     def evaluate(self) -> dict[str, float]:
-        """Every eval set at this step (`Evaluator`), one row per set in eval.jsonl."""
+        """Every eval set at this step (`Evaluator`), one row per set in eval.jsonl; with
+        `teacher.evaluate`, the teacher's too (`evaluate_teacher`)."""
         metrics, rows = self.rollout.evaluate(self.step)
         self.logger.log_eval(self.step, rows)
+        if self.config.teacher.evaluate:
+            metrics.update(self.evaluate_teacher())
         return metrics
 
-    @in_phase("eval")
     def evaluate_teacher(self) -> dict[str, float]:
-        """`teacher.evaluate`: the teacher's weights into the engine, every eval set with
-        this step's request seeds (the student's), then the actor's weights back. Metrics as
-        `eval/teacher/...`; eval.jsonl rows with `"policy": "teacher"`."""
+        """The teacher's weights into the engine, every eval set with this step's request
+        seeds (the student's: the two are compared on the same draws), then the actor's
+        weights back. Metrics as `eval/teacher/...`; eval.jsonl rows with "policy": "teacher"."""
         self.rollout.push_weights(self.roles.teacher, self.step)
         self.offload("teacher")
         metrics, rows = self.rollout.evaluate(self.step)

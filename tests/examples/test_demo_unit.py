@@ -22,22 +22,24 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def write_metrics(path, accuracies: dict[int, float], teacher: float | None = None) -> None:
+def write_metrics(path, accuracies: dict[int, float], teacher: dict | None = None) -> None:
     """One record per step as `metrics.jsonl` has them: a value-pretraining line, the step-0
-    eval line (with the teacher's accuracy when given), then train lines, with
-    `eval/accuracy` on the steps that evaluated."""
+    eval line, then train lines, with `eval/accuracy` on the steps that evaluated (and the
+    teacher's accuracy at the steps `teacher` gives)."""
+    teacher = teacher or {}
     lines = [
         {"stage": "value_pretrain", "step": s, "critic/vf_explained_var": s / 10} for s in (1, 2)
     ]
     lines.append({"stage": "eval", "step": 0, "eval/accuracy": accuracies[0]})
-    if teacher is not None:
-        lines[-1]["eval/teacher/accuracy"] = teacher
     for step in range(1, max(accuracies) + 1):
         record = {"stage": "train", "step": step, "rollout/reward/mean": step / 10,
                   "timing/step_s": 5.0 + step, "memory/train_peak_gib": 1.0 + step / 100}  # fmt: skip
         if step in accuracies:
             record["eval/accuracy"] = accuracies[step]
         lines.append(record)
+    for row in lines[2:]:
+        if row["step"] in teacher:
+            row["eval/teacher/accuracy"] = teacher[row["step"]]
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -220,15 +222,16 @@ def test_the_cost_table_puts_each_recipe_beside_the_other(tmp_path):
     assert table[1].split() == ["lora", "0", "+0.30", "7.00", "1.030", "1.0", "3", "21"]
     assert table[2].split()[0] == "full"
     assert "teacher" not in table[0]
-    # distillation: the teacher's accuracy as the distilling run of the seed evaluated it,
-    # and the step each arm of that seed first reached it ("-": never)
-    for teacher, reached in ((0.5, "3"), (0.9, "-")):
+    # distillation: the teacher's accuracy at each evaluation of the seed's distilling run
+    # (its mean shown), and the first step an arm of that seed reached the teacher's
+    # accuracy at the same step ("-": never)
+    for teacher, reached in (({0: 0.6, 3: 0.5}, "3"), ({0: 0.5, 3: 0.6}, "-")):
         write_metrics(tmp_path / "distill.jsonl", {0: 0.2, 3: 0.5}, teacher=teacher)
         distill = read_curves(tmp_path / "distill.jsonl")
-        assert distill["teacher"] == teacher and curves["teacher"] is None
+        assert distill["teacher"] == teacher and curves["teacher"] == {}
         table = cost_table({"vapo": {0: curves, 1: curves}, "distill": {0: distill}})
         rows = [line.split() for line in table.splitlines()]
         assert rows[0][-3:] == ["teacher", "to", "teacher"]
-        assert rows[1][-2:] == [f"{teacher:.4f}", reached]  # vapo seed 0: the seed's teacher
+        assert rows[1][-2:] == ["0.5500", reached]  # vapo seed 0: the seed's teacher
         assert rows[2][-1] == "21"  # vapo seed 1: no teacher evaluated for it
-        assert rows[3][-2:] == [f"{teacher:.4f}", reached]
+        assert rows[3][-2:] == ["0.5500", reached]

@@ -598,10 +598,11 @@ def test_a_distillation_run_evaluates_its_teacher_and_resumes_exactly(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
     """The shared run's last actor teaches the warm start (`on_policy_distill`, offloaded
-    teacher). Before training the run evaluates the student and then the teacher
-    (`teacher.evaluate`): the student's rows are the shared run's at step 0, the teacher's
-    greedy row is the shared run's at its last step (the same weights, in the engine). Then a
-    resume from step 1 redoes step 2 exactly; the teacher is not evaluated again."""
+    teacher). At each evaluation (before training and at step 2) the run evaluates the
+    student and then the teacher (`teacher.evaluate`): the student's rows at step 0 are the
+    shared run's, the teacher's greedy row is the shared run's at its last step (the same
+    weights, in the engine). Then a resume from step 1 redoes step 2 exactly, the teacher's
+    evaluation with it."""
     teacher = vapo_run / "checkpoints" / "step_000008" / "actor"
     overrides = [
         *vapo_overrides(tiny_model_dir, labelled_prompts),
@@ -625,18 +626,21 @@ def test_a_distillation_run_evaluates_its_teacher_and_resumes_exactly(
     student = [r for r in got if r["step"] == 0 and "policy" not in r]
     taught = [r for r in got if r.get("policy") == "teacher"]
     assert student == [r for r in shared if r["step"] == 0]
-    assert [(r["step"], r["set"]) for r in taught] == [(0, "greedy"), (0, "sampled")]
-    greedy = {k: v for k, v in taught[0].items() if k not in ("step", "policy")}
+    assert [(r["step"], r["set"]) for r in taught] == [
+        (step, name) for step in (0, 2) for name in ("greedy", "sampled")
+    ]
+    greedy = [{k: v for k, v in r.items() if k not in ("step", "policy")} for r in taught[::2]]
     by_step = {r["step"]: {k: v for k, v in r.items() if k != "step"}
                for r in shared if r["set"] == "greedy"}  # fmt: skip
     end = by_step[4]
-    assert greedy == end and end != by_step[0]  # the trained policy answers otherwise
+    assert greedy == [end, end] and end != by_step[0]  # the trained policy answers otherwise
     (evaluated,) = [r for r in metrics(run, "eval")]
     assert evaluated["eval/teacher/greedy/response_length/mean"] == end["response_length/mean"]
     assert evaluated["eval/teacher/accuracy"] == taught[1]["avg@4"]
     records = metrics(run)
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["actor/teacher_kl"] > 0 for r in records)
+    assert records[1]["eval/teacher/accuracy"] == taught[3]["avg@4"]
 
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
@@ -645,5 +649,5 @@ def test_a_distillation_run_evaluates_its_teacher_and_resumes_exactly(
     output = train("vapo", resumed, *overrides).output
     assert f"resumed from {resumed / 'checkpoints' / 'step_000001'} (step 1)" in output
     assert [measured(r) for r in metrics(resumed)] == [measured(r) for r in records]
-    assert rows(resumed) == got  # the teacher's rows kept, not evaluated again
+    assert rows(resumed) == got  # the teacher's step-2 rows made again, the same
     assert same_weights(checkpoint(resumed, 2)["actor"], checkpoint(run, 2)["actor"])
