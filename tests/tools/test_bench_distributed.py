@@ -167,11 +167,11 @@ def test_bench_async_times_each_placement_against_colocated(tmp_path):
 
     out = tmp_path / "results.jsonl"
     modes = "colocated,apart_k1"
-    main(["--model", str(tmp_path / "absent"), "--steps", "2", "--modes", modes, "--out", str(out),
+    main(["--model", str(tmp_path / "absent"), "--steps", "3", "--modes", modes, "--out", str(out),
           "--to-bar", "--bar-steps", "1", "--eval-interval", "1"])  # fmt: skip
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
-    assert result["model"] == "fresh tiny random" and result["steps_measured"] == 1
+    assert result["model"] == "fresh tiny random" and result["steps_measured"] == 2
     for mode in ("colocated", "apart_k1"):
         assert result[mode]["step_s"] > 0 and result[mode]["response_length"] > 0
     want = round(result["colocated"]["step_s"] / result["apart_k1"]["step_s"], 3)
