@@ -9,9 +9,11 @@ engine, as the trainer does. Three arms alternate, each moving the model's bytes
   - export: the Megatron side alone (TP all-gather, HF renaming, PP broadcast, dtype cast);
   - sync: `megatron_rl.sync.weight_sync.sync_weights`, export + vLLM's in-place reload;
   - sync_lora (with --lora-rank R): the same sync of a LoRA policy (rank R on every linear),
-    whose adapted linears are exported merged, W + s B A per shard (`actor.lora.merge: true`);
+    whose adapted linears are exported merged, W + s B A per shard (`actor.lora.merge: true`,
+    a first sync); sync_lora_adapted: the adapted linears' tensors alone, as every later
+    merged sync sends them (`sync/lora_sync.py`);
   - sync_adapter (with --lora-rank R): the adapters alone, as `actor.lora.merge: false` syncs
-    after its first push (`sync/adapter_sync.py`: TP gather, a PEFT adapter written, vLLM's
+    after its first push (`sync/lora_sync.py`: TP gather, a PEFT adapter written, vLLM's
     LoRA request), then a 3-token score, which makes vLLM load it; `score`, that score alone,
     is subtracted in `ratio_sync_adapter_over_sync_lora_s`;
   - generate_merged / generate_adapter (with --lora-rank R): 8 prompts x 2 samples x 32 new
@@ -28,6 +30,7 @@ import argparse
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +41,7 @@ from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
-from megatron_rl.sync.adapter_sync import AdapterSync
+from megatron_rl.sync.lora_sync import LoRASync
 from megatron_rl.sync.weight_sync import (
     WeightSyncConfig,
     all_stage_tensors,
@@ -106,8 +109,10 @@ def main(argv=None) -> None:
             "sync": lambda: sync_weights(policy, engine, config),
         }
         if a.lora_rank:
-            adapters = AdapterSync(
-                lora, _rank0_path(work / "adapter_sync" if work else None, ctx), str(hf_dir)
+            adapters = LoRASync(
+                replace(lora, merge=False),
+                _rank0_path(work / "adapter_sync" if work else None, ctx),
+                str(hf_dir),
             )
 
             def sync_adapter():
@@ -124,6 +129,9 @@ def main(argv=None) -> None:
 
             # in this order: each generation runs on the sync just before it
             arms["sync_lora"] = lambda: sync_weights(adapted, engine, config)
+            arms["sync_lora_adapted"] = lambda: sync_weights(
+                adapted, engine, config, names=adapters.adapted
+            )
             arms["generate_merged"] = lambda: generate("generate_merged")
             arms["sync_adapter"] = sync_adapter
             arms["generate_adapter"] = lambda: generate("generate_adapter")
@@ -151,6 +159,9 @@ def main(argv=None) -> None:
         if a.lora_rank:
             result["lora_rank"] = a.lora_rank
             result["ratio_sync_lora_over_sync_s"] = round(seconds["sync_lora"] / seconds["sync"], 4)
+            result["ratio_sync_lora_adapted_over_sync_lora_s"] = round(
+                seconds["sync_lora_adapted"] / seconds["sync_lora"], 4
+            )
             adapter_s = seconds["sync_adapter"] - seconds["score"]
             result["ratio_sync_adapter_over_sync_lora_s"] = round(
                 adapter_s / seconds["sync_lora"], 4

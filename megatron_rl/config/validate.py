@@ -67,7 +67,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
 
 def check_adapter_sync(config: TrainConfig) -> None:
     """`actor.lora.merge: false` serves the adapters with vLLM's LoRA layers on the base the
-    colocated engine keeps (`sync/adapter_sync.py`); refused where that cannot hold."""
+    colocated engine keeps (`sync/lora_sync.py`); refused where that cannot hold."""
     if not config.critic.lora.merge:
         raise ConfigError(
             "critic.lora.merge=false: the critic is never synced into an engine (only "

@@ -84,7 +84,7 @@ class LoRAConfig:
     merge: bool = True
     """Weight sync of the adapted policy into vLLM: True sends the merged weights W + s B A
     (every tensor, as a full fine-tune's sync); False (verl's default) sends the base once
-    and then the adapters alone, which vLLM serves as a LoRA request (`sync/adapter_sync.py`;
+    and then the adapters alone, which vLLM serves as a LoRA request (`sync/lora_sync.py`;
     a colocated vLLM rollout of a dense model). The actor's only: the critic is never synced."""
 
     def __post_init__(self) -> None:
@@ -139,6 +139,12 @@ class LoRAConfig:
         if not targets:
             raise ValueError("lora.target_modules is empty")
         return frozenset(targets)
+
+    def hf_projections(self) -> frozenset[str]:
+        """The Hugging Face projections the adapted linears hold (q, k, v together; gate,
+        up together)."""
+        targets = self.megatron_targets()
+        return frozenset(hf for hf, megatron in HF_TARGETS.items() if megatron in targets)
 
     def to_dict(self) -> dict:
         """As a checkpoint's `megatron_rl.json` records it (`from_dict` reads it back)."""

@@ -17,7 +17,7 @@ Host memory: one bucket (or one parameter) beyond the model shards; never a full
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -127,8 +127,15 @@ def checked(
         )
 
 
-def sync_weights(actor, engine, config: WeightSyncConfig | None = None) -> dict[str, float]:
-    """Push the actor's current weights into the colocated vLLM engine, in place."""
+def sync_weights(
+    actor,
+    engine,
+    config: WeightSyncConfig | None = None,
+    names: Callable[[str], bool] | None = None,
+) -> dict[str, float]:
+    """Push the actor's current weights into the colocated vLLM engine, in place; with
+    `names`, only the Hugging Face tensors it accepts, every one of them (the engine keeps
+    the others: a LoRA actor's frozen weights, `sync/lora_sync.py`)."""
     config = config or WeightSyncConfig()
     t0 = time.perf_counter()
     stats = {"tensors": 0, "bytes": 0}
@@ -141,6 +148,9 @@ def sync_weights(actor, engine, config: WeightSyncConfig | None = None) -> dict[
 
     stream = all_stage_tensors(actor.chunks, actor.arch, int(config.bucket_mb * 2**20))
     expected = expected_hf_shapes(actor.arch, "actor")
+    if names is not None:
+        stream = ((name, t) for name, t in stream if names(name))
+        expected = {name: shape for name, shape in expected.items() if names(name)}
     engine.update_weights(counted(checked(stream, expected, engine.dtype)))
     seconds = time.perf_counter() - t0
     return {**stats, "seconds": seconds, "gb_per_s": stats["bytes"] / seconds / 1e9}

@@ -443,9 +443,9 @@ class RLTrainer:
             metrics.update(self.memory.end_step(self.step, "train"))
             return reduce_over_ranks(metrics)
         t1 = time.perf_counter()
-        # its weights come back with the sync below; an adapter sync keeps the base (level 1)
-        adapters = c.actor.lora.enabled and not c.actor.lora.merge
-        self.rollout.sleep(level=1 if adapters else 2)
+        # its weights come back with the sync below; a LoRA actor's frozen ones stay (level
+        # 1: in host memory), its sync sends what the adapters change (`sync/lora_sync.py`)
+        self.rollout.sleep(level=1 if c.actor.lora.enabled else 2)
         with self.phase("experience"):
             batch, exp_metrics = make_experience(
                 groups,

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
         ("mixtral", "tp2_sp_ep2", 2, 512.0, None),
         # LoRA adapters trained at TP=2: the engine gets the merged weights W + s B A (~45 s:
         # the journeys' tier, beside the LoRA run that checks the same gap at every step); or
-        # the base once and then the adapters, which vLLM serves (`sync/adapter_sync.py`)
+        # the base once and then the adapters, which vLLM serves (`sync/lora_sync.py`)
         pytest.param("tiny-qwen2", "tp2", 2, 512.0, "merged", marks=pytest.mark.e2e),
         pytest.param("tiny-qwen2", "tp2", 2, 512.0, "adapter", marks=pytest.mark.e2e),
     ],
@@ -59,9 +59,17 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
     # fails once a vLLM release no longer does, and the workaround can go
     moe = family in ("qwen3-moe", "mixtral")
     assert (r["identical_reload_change_without_repack"] > 1e-3) == moe
-    if lora == "adapter":  # one whole-weight sync (the base), then the adapters alone
-        assert r["whole_weight_syncs"] == 1
+    arch = read_hf_config(hf_dir)
+    if lora:  # the second sync moves what the adapters change, and the engine follows
         assert r["gap_after_second_sync"] <= 1e-4 and r["change_from_second_sync"] > 1e-3
+    if lora == "merged":  # every weight, then the adapted linears' (qkv with its biases,
+        # o, gate, up, down of 4 layers) alone
+        assert r["whole_weight_syncs"] == 2 and r["stats"]["tensors"] == len(
+            expected_hf_shapes(arch)
+        )
+        assert r["second_sync_tensors"] == 4 * (6 + 4)
+    if lora == "adapter":  # one whole-weight sync (the base), then the adapters alone
+        assert r["whole_weight_syncs"] == 1 and r["second_sync_tensors"] == 0
         assert r["adapter_dirs"] == ["000002"]  # the first push's files are gone
         # rank 8 on 4 layers of hidden 128, 2 of 4 heads for k/v, MLP 352: per layer
         # (8 x 128 + out x 8) for q, k, v, o, gate, up (out 128, 64, 64, 128, 352, 352) and
@@ -69,7 +77,6 @@ def test_sync_makes_engine_logprobs_equal_the_updated_actor(
         # then the headers; the model's own file is 3.5 MB
         assert 299_008 < r["adapter_bytes"] < 299_008 + 16_384
         return
-    arch = read_hf_config(hf_dir)
     assert r["stats"]["tensors"] == len(expected_hf_shapes(arch))  # every tensor, once
 
 

@@ -139,6 +139,7 @@ def test_weight_sync_and_generate_benchmarks_write_their_lines(tmp_path):
     assert sync["ratio_sync_lora_over_sync_s"] == pytest.approx(
         sync["sync_lora_s"] / sync["sync_s"], rel=0.05
     )
+    assert 0 < sync["ratio_sync_lora_adapted_over_sync_lora_s"]
     # the adapters alone (their load forced by a score, timed apart and taken off)
     assert sync["sync_adapter_s"] > 0 and sync["score_s"] > 0
     assert "sync_adapter_gb_per_s" not in sync  # it moves the adapters, not the model

@@ -1,7 +1,7 @@
 """torchrun worker: two actor updates, then a weight sync; engine and actor log-probs agree.
-With --lora the actor trains adapters and the engine gets its merged weights; with
---adapter-sync too, the engine serves them as a LoRA request on the base it got once, and a
-third update's sync sends the adapters alone.
+With --lora the actor trains adapters and the engine gets its merged weights (with
+--adapter-sync: the base, and the adapters as a LoRA request); a third update's sync then
+moves what the adapters change alone (`sync/lora_sync.py`).
 
 Megatron layout (--layout, LAYOUTS) and the colocated vLLM engine's TP (--vllm-tp; the engine
 runs inside the torchrun world via vLLM's external launcher) are independent. Rank 0 writes
@@ -10,6 +10,7 @@ runs inside the torchrun world via vLLM's external launcher) are independent. Ra
 
 import argparse
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -25,7 +26,7 @@ from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
-from megatron_rl.sync.adapter_sync import AdapterSync
+from megatron_rl.sync.lora_sync import LoRASync
 from megatron_rl.sync.weight_sync import WeightSyncConfig, sync_weights
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -97,36 +98,39 @@ def main():
     gap_before = logprob_gap(before, batch.old_logprobs, mask)["logprob_gap_max"]
     for _ in range(2):
         actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
-    adapters = {}
-    if a.adapter_sync:
+    second = {}
+    if lora is not None:  # merged, or with --adapter-sync the base and then the adapters
+        sync = LoRASync(
+            replace(lora, merge=not a.adapter_sync), Path(a.out).parent / "adapters", a.hf_dir
+        )
         reloads = []
         update = engine.update_weights
         engine.update_weights = lambda weights: reloads.append(1) or update(weights)
-        sync = AdapterSync(lora, Path(a.out).parent / "adapter_sync", a.hf_dir)
-        sync.push(actor, engine)  # the base, then the adapters
-        stats = {}
+        stats = sync.push(actor, engine)
     else:
         stats = sync_weights(actor, engine, WeightSyncConfig(bucket_mb=a.bucket_mb))
     after = engine_token_logprobs(engine, batch)
     gap_after = logprob_gap(after, actor.compute_logprobs(batch), mask)
-    if a.adapter_sync:  # one more update: its sync is the adapters alone
+    if lora is not None:  # one more update: its sync moves what the adapters change
         actor.update(batch, PolicyLossConfig(nll_coef=0.1), num_microbatches=2)
-        sync.push(actor, engine)
-        second = engine_token_logprobs(engine, batch)
-        written = sorted((Path(a.out).parent / "adapter_sync").iterdir())
-        adapters = {
-            "gap_after_second_sync": logprob_gap(second, actor.compute_logprobs(batch), mask)[
+        moved = sync.push(actor, engine)
+        pushed = engine_token_logprobs(engine, batch)
+        second = {
+            "gap_after_second_sync": logprob_gap(pushed, actor.compute_logprobs(batch), mask)[
                 "logprob_gap_max"
             ],
-            "change_from_second_sync": logprob_gap(second, after, mask)["logprob_gap_max"],
+            "change_from_second_sync": logprob_gap(pushed, after, mask)["logprob_gap_max"],
             "whole_weight_syncs": len(reloads),
-            "adapter_dirs": [d.name for d in written],
-            "adapter_bytes": sum(f.stat().st_size for f in written[-1].iterdir()),
+            "second_sync_tensors": moved.get("tensors", 0),
         }
+        if a.adapter_sync:
+            written = sorted((Path(a.out).parent / "adapters").iterdir())
+            second["adapter_dirs"] = [d.name for d in written]
+            second["adapter_bytes"] = sum(f.stat().st_size for f in written[-1].iterdir())
     if ctx.rank == 0:
         torch.save(
             {
-                **adapters,
+                **second,
                 "gap_before_sync": gap_before,
                 "gap_after_sync": gap_after["logprob_gap_max"],
                 "mean_gap_after_sync": gap_after["logprob_gap_mean"],

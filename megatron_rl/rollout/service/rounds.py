@@ -63,7 +63,7 @@ def build_engine(
             external_launcher=external_launcher,
             # routing replay, or its mismatch measure, needs the engine's routes
             record_routes=config.actor.router_replay.needs_routes,
-            # a LoRA actor synced as adapters (`sync/adapter_sync.py`)
+            # a LoRA actor synced as adapters (`sync/lora_sync.py`)
             max_lora_rank=0 if config.actor.lora.merge else config.actor.lora.rank,
             # A Megatron checkpoint has no HF weights: vLLM starts from random ones and
             # takes the actor's at once, as after every update.

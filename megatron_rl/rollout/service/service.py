@@ -34,7 +34,7 @@ from megatron_rl.rollout.service.rounds import DataParallelShard, generate_round
 from megatron_rl.rollout.shm import ShmRecord
 from megatron_rl.rollout.strategies import Group
 from megatron_rl.rollout.types import ENGINE_MEMORY, Engine
-from megatron_rl.sync.adapter_sync import ADAPTER_SYNC_DIR, AdapterSync
+from megatron_rl.sync.lora_sync import ADAPTER_SYNC_DIR, LoRASync
 from megatron_rl.sync.weight_sync import sync_weights
 
 
@@ -128,12 +128,12 @@ class LocalRollout:
         self.saved: dict[int, RolloutProgress] = {}
         """What a stop's checkpoint kept of this replica's rollout (`resume_progress`)."""
         lora = config.actor.lora
-        self.adapter_sync = (
-            AdapterSync(lora, Path(config.trainer.output_dir) / ADAPTER_SYNC_DIR, config.model.path)
-            if lora.enabled and not lora.merge
+        self.lora_sync = (
+            LoRASync(lora, Path(config.trainer.output_dir) / ADAPTER_SYNC_DIR, config.model.path)
+            if lora.enabled
             else None
         )
-        """A LoRA actor synced as adapters on the engine's base (`actor.lora.merge: false`)."""
+        """A LoRA actor's syncs: what its adapters change, after the first (`lora_sync.py`)."""
 
     @property
     def awake(self) -> tuple[str, ...]:
@@ -172,12 +172,12 @@ class LocalRollout:
     def push_weights(self, actor, version: int, evaluate: bool = False, changed: bool = True):
         if not changed:  # in place: the engine counts no versions, and evaluates when asked
             return
-        if self.adapter_sync is not None and getattr(actor, "lora", None) is not None:
-            self.adapter_sync.push(actor, self.engine)
+        if self.lora_sync is not None and getattr(actor, "lora", None) is not None:
+            self.lora_sync.push(actor, self.engine)
             return
         sync_weights(actor, self.engine)  # whole weights (the teacher's too)
-        if self.adapter_sync is not None:
-            self.adapter_sync.weights_replaced()
+        if self.lora_sync is not None:
+            self.lora_sync.weights_replaced()
 
     def evaluate(self, step: int) -> tuple[dict[str, float], list[dict]]:
         return self.evaluator.evaluate(step)
