@@ -1,5 +1,6 @@
 """The trainer with `rollout.name=hf` (no vLLM) under torchrun: 2 CPU ranks, TP=2, so each
-rank is an hf engine of its own and the replica splits the prompts over both."""
+rank is an hf engine of its own and the replica splits the prompts over both; the actor
+trains LoRA adapters, whose merged weights the hf engine takes whole at every sync."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def test_grpo_trains_two_steps_with_the_hf_engine_and_never_imports_vllm(tiny_mo
         "rollout.name=hf",
         VARIED_REWARD,
         "trainer.total_steps=2",
+        "actor.lora.rank=8",
+        "actor.optim.lr=1e-2",
         timeout=300,
         env={"PYTHONPATH": path, "VLLM_IMPORT_MARK": str(mark)},
     )

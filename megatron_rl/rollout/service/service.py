@@ -130,10 +130,11 @@ class LocalRollout:
         lora = config.actor.lora
         self.lora_sync = (
             LoRASync(lora, Path(config.trainer.output_dir) / ADAPTER_SYNC_DIR, config.model.path)
-            if lora.enabled
+            if lora.enabled and config.rollout.name == "vllm"
             else None
         )
-        """A LoRA actor's syncs: what its adapters change, after the first (`lora_sync.py`)."""
+        """A LoRA actor's syncs into vLLM: what its adapters change, after the first
+        (`lora_sync.py`); the HF engine takes whole weights every time."""
 
     @property
     def awake(self) -> tuple[str, ...]:
