@@ -51,7 +51,7 @@ weight copies are workspaces, not parameters: they stay (`<role>_fp8_weight_copi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.presets import (
@@ -113,7 +113,11 @@ class MemoryPlanConfig:
     """A reference policy for the KL term (VAPO has none)."""
     teacher: ModelArchitecture | None = None
     """On-policy distillation's teacher (`teacher.path`'s architecture, larger than the
-    policy allowed): frozen weights on the job's layout, forward only, like the reference."""
+    policy allowed): frozen weights, forward only, like the reference."""
+    teacher_tensor_model_parallel_size: int | None = None
+    """The teacher's own TP (`teacher.tensor_model_parallel_size`); None: the job's."""
+    teacher_pipeline_model_parallel_size: int | None = None
+    """The teacher's own PP; None: the job's."""
     lora_rank: int = 0
     """LoRA on the actor and the critic (`actor.lora.rank`, every linear but the experts):
     the base weights frozen (no gradient, no optimizer state), the adapters trained, the
@@ -495,6 +499,30 @@ def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) ->
     return int(max(first, last))
 
 
+def teacher_layout(c: MemoryPlanConfig) -> MemoryPlanConfig:
+    """The plan as the teacher is sharded: the job's layout, or its own TP / PP over the same
+    GPUs (no virtual pipeline, no expert parallelism: `TeacherConfig.layout`)."""
+    tp = c.teacher_tensor_model_parallel_size or c.tensor_model_parallel_size
+    pp = c.teacher_pipeline_model_parallel_size or c.pipeline_model_parallel_size
+    if (tp, pp) == (c.tensor_model_parallel_size, c.pipeline_model_parallel_size):
+        return c
+    if c.num_gpus % (tp * pp):
+        raise PlanError(
+            f"the teacher: {c.num_gpus} GPUs are not divisible by its TP x PP = {tp} x {pp}"
+        )
+    return replace(
+        c,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        data_parallel_size=c.num_gpus // (tp * pp),
+        virtual_pipeline_model_parallel_size=None,
+        sequence_parallel=c.sequence_parallel and tp > 1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
+        vllm_tensor_parallel_size=None,
+    )
+
+
 def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     ep, etp = c.expert_model_parallel_size, c.expert_tensor_size
@@ -519,16 +547,20 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
         for kind, n in model_state_bytes(params[role], c, trainable, experts).items():
             states[f"{role}_{kind}"] = n
     params = {r: n + experts for r, n in params.items()}
-    if c.teacher is not None:  # frozen, on the same layout: its weights alone
+    if c.teacher is not None:  # frozen: its weights alone, sharded by its own layout
+        t = teacher_layout(c)
         try:
             c.teacher.check_divisible(
-                tp, pp * (c.virtual_pipeline_model_parallel_size or 1), etp, ep
+                t.tensor_model_parallel_size,
+                t.pipeline_model_parallel_size * (t.virtual_pipeline_model_parallel_size or 1),
+                t.expert_tensor_size,
+                t.expert_model_parallel_size,
             )
         except ValueError as e:
             raise PlanError(f"the teacher: {e}") from None
-        teacher_experts = stage_expert_params(c.teacher, c)
-        params["teacher"] = stage_params(c.teacher, c, "reference")
-        for kind, n in model_state_bytes(params["teacher"], c, False, teacher_experts).items():
+        teacher_experts = stage_expert_params(c.teacher, t)
+        params["teacher"] = stage_params(c.teacher, t, "reference")
+        for kind, n in model_state_bytes(params["teacher"], t, False, teacher_experts).items():
             states[f"teacher_{kind}"] = n
         params["teacher"] += teacher_experts
     activations = {

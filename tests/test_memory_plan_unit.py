@@ -422,22 +422,37 @@ def test_the_32b_lora_recipe_fits_4_gpus_with_offload_and_not_without():
     assert not plan_memory(arch, MemoryPlanConfig(**{**settings, "lora_rank": 0})).fits
 
 
-def test_a_teachers_weights_are_priced_on_the_jobs_layout_and_offloadable():
+def test_a_teachers_weights_are_priced_on_its_layout_and_offloadable():
     """On-policy distillation: the teacher (its own architecture) adds its bf16 weights on
-    the busiest stage, no gradient or optimizer state; the 7B-from-32B recipe fits one node of
-    8 GPUs with them in host memory while vLLM generates, and not without."""
+    the busiest stage, no gradient or optimizer state, sharded by the job's layout or its
+    own; the 7B-from-32B recipe fits one node of 8 GPUs with them in host memory while vLLM
+    generates, and on the student's TP 4 not without."""
     from megatron_rl.memory_plan import stage_params
 
     settings = recipe_settings("examples/qwen2.5-7b/distill_from_32b.yaml")
     assert settings["teacher"] is None  # its path is not here: the tool asks for --teacher
     student, teacher = preset_arch("qwen2.5-7b"), preset_arch("qwen2.5-32b")
-    config = MemoryPlanConfig(**{**settings, "teacher": teacher, "data_parallel_size": 2})
+    on_tp4 = {"teacher_tensor_model_parallel_size": None}
+    config = MemoryPlanConfig(**{**settings, "teacher": teacher, "data_parallel_size": 2, **on_tp4})
     plan = plan_memory(student, config)
     assert plan.states["teacher_weights"] == 2 * stage_params(teacher, config, "reference")
     assert not any(k.startswith("teacher_") and k != "teacher_weights" for k in plan.states)
     assert settings["offload"] == ("teacher_weights",)
     assert plan.fits and plan.config.num_gpus == 8
-    assert not plan_memory(student, MemoryPlanConfig(**{**config.__dict__, "offload": ()})).fits
+    # the recipe's teacher on a layout of its own, TP 8 over the 8 GPUs: half the weights
+    assert settings["teacher_tensor_model_parallel_size"] == 8
+    own = plan_memory(
+        student, MemoryPlanConfig(**{**settings, "teacher": teacher, "data_parallel_size": 2})
+    )
+    eight = dataclasses.replace(config, tensor_model_parallel_size=8, data_parallel_size=1)
+    assert own.states["teacher_weights"] == 2 * stage_params(teacher, eight, "reference")
+    assert own.states["teacher_weights"] < plan.states["teacher_weights"] * 0.51
+    assert own.states["actor_weights"] == plan.states["actor_weights"]
+    with pytest.raises(
+        PlanError, match=r"the teacher: 8 GPUs are not divisible by its TP x PP = 3 x 1"
+    ):
+        plan_memory(student, dataclasses.replace(config, teacher_tensor_model_parallel_size=3))
+    assert not plan_memory(student, dataclasses.replace(config, offload=())).fits
     # a layout the student takes (Qwen3-8B: 32 heads) but the teacher does not (28)
     with pytest.raises(PlanError, match="the teacher: .* does not divide num_attention_heads=28"):
         plan_memory(

@@ -105,6 +105,8 @@ def recipe_settings(path: str) -> dict:
         offload=recipe_offload(c),
         lora_rank=recipe_lora_rank(c),
         **({"teacher": recipe_teacher(c)} if c.use_teacher else {}),
+        teacher_tensor_model_parallel_size=c.teacher.tensor_model_parallel_size,
+        teacher_pipeline_model_parallel_size=c.teacher.pipeline_model_parallel_size,
     )
 
 
@@ -191,6 +193,13 @@ def main(argv=None) -> int:
         help="on-policy distillation's teacher: a preset or HF directory, as --model "
         "(default: the recipe's teacher.path when it is here)",
     )
+    for key in ("tp", "pp"):
+        p.add_argument(
+            f"--teacher-{key}",
+            type=int,
+            help=f"the teacher's own {key.upper()} (default: the recipe's "
+            f"teacher.{'tensor' if key == 'tp' else 'pipeline'}_model_parallel_size; 0: the job's)",
+        )
     p.add_argument("--vllm-gpu-memory-utilization", type=_list(float))
     p.add_argument("--vllm-tp", type=int)
     p.add_argument("--vllm-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
@@ -239,6 +248,9 @@ def main(argv=None) -> int:
         "reserved_gib": a.reserved_gib,
     }
     base.update({k: v for k, v in scalars.items() if v is not None})
+    for key, size in (("tensor", a.teacher_tp), ("pipeline", a.teacher_pp)):
+        if size is not None:  # 0: on the job's layout
+            base[f"teacher_{key}_model_parallel_size"] = size or None
     try:
         if a.teacher:
             base["teacher"] = resolve_arch(a.teacher)

@@ -7,6 +7,7 @@ the disk, are `validate.py`'s; reading YAML is `loader.py`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from megatron_rl.envs.config import EnvConfig
 from megatron_rl.models.gpt import MoEConfig, PrecisionConfig, RecomputeConfig
 from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.router_replay import RouterReplayConfig
+from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.rewards.config import RewardFnConfig, reward_fn_config
 from megatron_rl.rewards.pool import ScoringPoolConfig
 from megatron_rl.rollout.rating import RatingConfig
@@ -341,14 +343,41 @@ class TeacherConfig:
     """At every evaluation, evaluate the teacher too, with the student's request seeds (the
     same draws: a paired comparison): its weights go into the rollout engine for it, then
     the actor's come back. Every eval set's metrics as `eval/teacher/...`
-    (`eval/teacher/accuracy` beside `eval/accuracy`). Needs eval sets, a colocated rollout
-    and the student's architecture (the engine is built for it)."""
+    (`eval/teacher/accuracy` beside `eval/accuracy`). Needs eval sets, a colocated rollout,
+    the student's architecture (the engine is built for it) and the job's layout."""
+    tensor_model_parallel_size: int | None = None
+    """The teacher's TP within the job's world (NeMo-RL's teacher `megatron_cfg`); None:
+    the job's (`parallel`). A layout of its own has Megatron groups of its own
+    (`workers/own_layout.py`); its data-parallel size is the world over its TP x PP."""
+    pipeline_model_parallel_size: int | None = None
+    """The teacher's PP within the job's world; None: the job's."""
 
     def __post_init__(self) -> None:
         if self.kl_coef <= 0:
             raise ValueError(
                 f"kl_coef must be > 0 (leave path unset for no teacher), got {self.kl_coef}"
             )
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            size = getattr(self, key)
+            if size is not None and (not isinstance(size, int) or size < 1):
+                raise ValueError(f"{key} must be a positive integer or unset, got {size!r}")
+
+    def layout(self, job: ParallelLayout) -> ParallelLayout:
+        """The teacher's layout: the job's `parallel`, or the sizes set here with neither a
+        virtual pipeline nor expert parallelism (a dense teacher's forward needs neither)."""
+        tp = self.tensor_model_parallel_size or job.tensor_model_parallel_size
+        pp = self.pipeline_model_parallel_size or job.pipeline_model_parallel_size
+        if (tp, pp) == (job.tensor_model_parallel_size, job.pipeline_model_parallel_size):
+            return job
+        return dataclasses.replace(
+            job,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=None,
+            sequence_parallel=job.sequence_parallel and tp > 1,
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
+        )
 
 
 @dataclass(frozen=True)

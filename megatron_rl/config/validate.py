@@ -61,7 +61,7 @@ def validate_config(config: TrainConfig, world_size: int) -> None:
     check_models(config)
     check_rollout_correction(config)
     check_multi_turn(config)
-    check_teacher(config)
+    check_teacher(config, trainers)
     check_adapter_sync(config)
 
 
@@ -91,9 +91,10 @@ def check_adapter_sync(config: TrainConfig) -> None:
         )
 
 
-def check_teacher(config: TrainConfig) -> None:
+def check_teacher(config: TrainConfig, world_size: int) -> None:
     """On-policy distillation: the estimator that is the teacher's signal alone has a
-    teacher and no critic; the teacher reads the student's tokens as the student wrote them."""
+    teacher and no critic; the teacher reads the student's tokens as the student wrote them,
+    on the job's layout or one of its own that fits the world."""
     estimator = config.algorithm.estimator
     alone = estimator_traits(estimator).needs_teacher
     if alone and not config.use_teacher:
@@ -110,8 +111,13 @@ def check_teacher(config: TrainConfig) -> None:
         for key in ("param_offload", "evaluate"):
             if getattr(config.teacher, key):
                 raise ConfigError(f"teacher.{key}=true without teacher.path: there is no teacher")
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(config.teacher, key) is not None:
+                raise ConfigError(f"teacher.{key} is set without teacher.path: there is no teacher")
         return
     student, teacher = ModelSource(config.model.path), ModelSource(config.teacher.path)
+    if config.teacher.layout(config.parallel) != config.parallel:
+        check_teacher_layout(config, teacher.architecture(), world_size)
     if config.teacher.evaluate:
         check_teacher_evaluation(config, student, teacher)
     differences = tokenizer_differences(student.hf_dir, teacher.hf_dir)
@@ -122,6 +128,32 @@ def check_teacher(config: TrainConfig) -> None:
             "the student's token ids as sampled; a teacher of another tokenizer or chat "
             "template would score another sequence"
         )
+
+
+def check_teacher_layout(config: TrainConfig, arch, world_size: int) -> None:
+    """A teacher on a TP / PP layout of its own: a dense model that the sizes shard, in the
+    same world; evaluated on its own (the engine's weight push reads the job's groups)."""
+    t = config.teacher
+    where = (
+        f"teacher.tensor_model_parallel_size={t.tensor_model_parallel_size}, "
+        f"teacher.pipeline_model_parallel_size={t.pipeline_model_parallel_size} (a layout "
+        f"of its own, beside parallel's TP {config.parallel.tensor_model_parallel_size} "
+        f"x PP {config.parallel.pipeline_model_parallel_size})"
+    )
+    if arch.is_moe:
+        raise ConfigError(
+            f"{where} with a mixture-of-experts teacher ({t.path}): its expert groups would "
+            "need a layout of their own too; leave both unset to use the job's"
+        )
+    if t.evaluate:
+        raise ConfigError(
+            f"{where} with teacher.evaluate=true: the weight push into the rollout engine "
+            "reads the job's layout; evaluate the teacher on its own"
+        )
+    try:
+        t.layout(config.parallel).validate(world_size, arch)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def check_teacher_evaluation(config: TrainConfig, student, teacher) -> None:

@@ -23,6 +23,7 @@ from megatron_rl.config import ConfigError, TrainConfig, scheduled_optim, to_dic
 from megatron_rl.data import PromptStream, load_prompts
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel import distributed
+from megatron_rl.parallel.layout_groups import LayoutGroups
 from megatron_rl.preemption import STOP, plain_torchrun_warning
 from megatron_rl.rollout.service import (
     EnginesApart,
@@ -42,6 +43,7 @@ from megatron_rl.trainer.offload import Roles
 from megatron_rl.trainer.runner import MEMORY_TIMELINE, RLTrainer, RunParts
 from megatron_rl.trainer.watchdog import Watchdog, default_store
 from megatron_rl.workers.critic import Critic
+from megatron_rl.workers.own_layout import OnOwnLayout
 from megatron_rl.workers.policy import Actor, AdapterOffReference, ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
 
@@ -108,17 +110,29 @@ def build_roles(config: TrainConfig, arch) -> Roles:
             optim=scheduled_optim(c, "critic"),
         )
     teacher = None
-    if c.use_teacher:  # forward only, its own architecture and weights
-        teacher = ReferencePolicy(
-            replace(
-                model,
-                arch=ModelSource(c.teacher.path).architecture(),
-                model_path=c.teacher.path,
-                recompute=None,
-            ),
-            temperature=c.rollout.temperature,
-        )
+    if c.use_teacher:  # forward only, its own architecture, weights and maybe layout
+        teacher = build_teacher(c, model)
     return Roles(actor, reference, critic, teacher)
+
+
+def build_teacher(c: TrainConfig, student: RoleModel):
+    """The distillation teacher: a `ReferencePolicy` of its checkpoint, on the job's layout
+    or on one of its own (`teacher.tensor_model_parallel_size`, `workers/own_layout.py`)."""
+    teacher = replace(
+        student,
+        arch=ModelSource(c.teacher.path).architecture(),
+        layout=c.teacher.layout(c.parallel),
+        model_path=c.teacher.path,
+        recompute=None,
+    )
+
+    def build() -> ReferencePolicy:
+        return ReferencePolicy(teacher, temperature=c.rollout.temperature)
+
+    if teacher.layout == student.layout:
+        return build()
+    world = torch.distributed.get_world_size()
+    return OnOwnLayout(build, LayoutGroups.build(teacher.layout, world, teacher.arch))
 
 
 def truncated_sampling_warning(config: TrainConfig) -> str | None:

@@ -382,6 +382,67 @@ def test_evaluating_the_teacher_needs_the_students_architecture_and_a_colocated_
         validate_config(config_for(tiny_model_dir, *same, "trainer.eval_data_path=null"), 2)
 
 
+def test_a_teacher_on_a_layout_of_its_own_must_fit_the_world_and_be_dense(
+    tiny_model_dir, tiny_teacher_dir, family_dir
+):
+    """`teacher.tensor_model_parallel_size` / `pipeline_model_parallel_size`: the teacher's
+    layout (the job's when unset or equal); one that does not fit the world or the teacher's
+    heads, a mixture-of-experts teacher, `teacher.evaluate` beside it, a size without a
+    teacher or below 1 are refused by name."""
+    teacher = f"teacher.path={tiny_teacher_dir}"
+    job = config_for(tiny_model_dir, teacher).parallel  # TP 2
+    assert config_for(tiny_model_dir, teacher).teacher.layout(job) is job
+    same = config_for(tiny_model_dir, teacher, "teacher.tensor_model_parallel_size=2")
+    assert same.teacher.layout(job) is job
+    own = config_for(
+        tiny_model_dir,
+        teacher,
+        "parallel.sequence_parallel=true",
+        "teacher.tensor_model_parallel_size=1",
+    )
+    layout = own.teacher.layout(own.parallel)
+    assert (layout.tensor_model_parallel_size, layout.sequence_parallel) == (1, False)
+    assert layout.data_parallel_size(2) == 2
+    validate_config(own, 2)
+    validate_config(
+        config_for(tiny_model_dir, teacher, "teacher.pipeline_model_parallel_size=2"), 4
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher.tensor_model_parallel_size=4, teacher.pipeline_model_parallel_size=None "
+        r"\(a layout of its own, beside parallel's TP 2 x PP 1\): world size 2 is not divisible",
+    ):
+        validate_config(
+            config_for(tiny_model_dir, teacher, "teacher.tensor_model_parallel_size=4"), 2
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"teacher.tensor_model_parallel_size=4.*does not divide num_attention_heads=6",
+    ):
+        validate_config(
+            config_for(tiny_model_dir, teacher, "teacher.tensor_model_parallel_size=4"), 4
+        )
+    moe = config_for(
+        tiny_model_dir,
+        f"teacher.path={family_dir('qwen3-moe')}",
+        "teacher.tensor_model_parallel_size=1",
+    )
+    with pytest.raises(ConfigError, match=r"with a mixture-of-experts teacher .*leave both unset"):
+        validate_config(moe, 2)
+    evaluated = config_for(
+        tiny_model_dir,
+        f"teacher.path={tiny_model_dir}",
+        "teacher.evaluate=true",
+        "teacher.tensor_model_parallel_size=1",
+    )
+    with pytest.raises(ConfigError, match=r"with teacher.evaluate=true: the weight push"):
+        validate_config(evaluated, 2)
+    with pytest.raises(ConfigError, match=r"teacher.pipeline_model_parallel_size is set without"):
+        validate_config(config_for(tiny_model_dir, "teacher.pipeline_model_parallel_size=2"), 2)
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size must be a positive integer"):
+        config_for(tiny_model_dir, teacher, "teacher.tensor_model_parallel_size=0")
+
+
 def test_adapters_served_by_vllm_need_a_colocated_vllm_engine_and_a_dense_actor(
     tiny_model_dir, family_dir
 ):

@@ -178,3 +178,43 @@ def test_cpu_compat_refuses_another_megatron_core_by_name(version):
         RuntimeError, match=f"written for megatron-core 0.16.x, but megatron-core {version}"
     ):
         cpu_compat.check_megatron_version(version)
+
+
+LAYOUT_GROUPS = """
+from megatron.core import parallel_state as ps
+from megatron_rl.parallel import distributed
+from megatron_rl.parallel.layout_groups import LayoutGroups
+
+distributed.initialize(distributed.ParallelLayout())
+job_tp, job_dp = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+other = LayoutGroups.build(distributed.ParallelLayout(), world_size=1)
+assert ps.get_tensor_model_parallel_group() is job_tp  # built aside
+with other.active():
+    inside = ps.get_tensor_model_parallel_group()
+    assert inside is not job_tp and ps.get_data_parallel_group() is not job_dp
+    assert ps.get_tensor_model_parallel_world_size() == 1
+try:
+    with other.active():
+        raise KeyError("inside")
+except KeyError:
+    pass
+assert ps.get_tensor_model_parallel_group() is job_tp and ps.get_data_parallel_group() is job_dp
+with other.active():
+    assert ps.get_tensor_model_parallel_group() is inside  # the same groups each time
+distributed.destroy()
+print("ok")
+"""
+
+
+def test_a_second_set_of_megatron_groups_is_swapped_in_and_out():
+    """`LayoutGroups`: groups built aside from the job's, in parallel_state only inside
+    `active()`, the job's back after it, also when what ran inside raised."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "RANK")}
+    done = subprocess.run(
+        [sys.executable, "-c", LAYOUT_GROUPS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

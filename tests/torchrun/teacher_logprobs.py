@@ -1,7 +1,11 @@
 """torchrun worker (2 ranks): a distillation teacher (a larger model than the student, the
-student's tokenizer) gives the log-probs of the student's batch at TP2 and at PP2, through
-the role the trainer builds for it (`ReferencePolicy` of the teacher's checkpoint and
-architecture). Each rank writes {layout}_{rank}.pt with the log-probs [B, S] on every rank.
+student's tokenizer) gives the log-probs of the student's batch through the role the trainer
+builds for it (`ReferencePolicy` of the teacher's checkpoint and architecture):
+- on the job's layout, at TP2 and at PP2 (every rank holds the whole batch);
+- on a layout of its own (`OnOwnLayout`): the job at DP2 (rank 0 rows 0-4, rank 1 rows 5-7
+  cut to 20 columns) with the teacher at TP2 and at PP2, and the job at TP2 with the teacher
+  at DP2.
+Each rank writes {case}_{rank}.pt: (the global rows it held, its log-probs [B_r, S_r]).
 """
 
 import argparse
@@ -12,13 +16,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel import distributed
+from megatron_rl.parallel.layout_groups import LayoutGroups
+from megatron_rl.workers.own_layout import OnOwnLayout
 from megatron_rl.workers.policy import ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
 from tests.torchrun.actor_critic import global_batch
 
-LAYOUTS = {
-    "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
-    "pp2": distributed.ParallelLayout(pipeline_model_parallel_size=2),
+Layout = distributed.ParallelLayout
+CASES = {  # case: (the job's layout, the teacher's)
+    "tp2": (Layout(tensor_model_parallel_size=2),) * 2,
+    "pp2": (Layout(pipeline_model_parallel_size=2),) * 2,
+    "dp2_teacher_tp2": (Layout(), Layout(tensor_model_parallel_size=2)),
+    "dp2_teacher_pp2": (Layout(), Layout(pipeline_model_parallel_size=2)),
+    "tp2_teacher_dp2": (Layout(tensor_model_parallel_size=2), Layout()),
 }
 
 
@@ -29,12 +39,25 @@ def main():
     p.add_argument("--out-dir", required=True)
     a = p.parse_args()
     arch = ModelSource(a.teacher_dir).architecture()
-    for name, layout in LAYOUTS.items():
-        ctx = distributed.initialize(layout, arch=arch)
-        teacher = ReferencePolicy(RoleModel(arch, layout, model_path=a.teacher_dir))
+    for name, (job, own) in CASES.items():
+        ctx = distributed.initialize(job, arch=arch)
+
+        def build(layout=own):
+            return ReferencePolicy(RoleModel(arch, layout, model_path=a.teacher_dir))
+
+        if own == job:
+            teacher = build()
+        else:
+            teacher = OnOwnLayout(build, LayoutGroups.build(own, ctx.world_size, arch))
         batch = global_batch(arch.vocab_size).to(ctx.device)
+        rows = range(8)
+        if ctx.dp_size == 2:  # uneven rows, and rank 1's batch shorter
+            rows = range(5) if ctx.dp_rank == 0 else range(5, 8)
+            batch = batch.rows(slice(rows.start, rows.stop))
+            if ctx.dp_rank == 1:
+                batch = batch.with_length(20)
         logprobs = teacher.compute_logprobs(batch, num_microbatches=2)
-        torch.save(logprobs.cpu(), Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
+        torch.save((list(rows), logprobs.cpu()), Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()

@@ -311,7 +311,8 @@ def test_recipe_runs_two_steps(
     pi_old, packed micro-batches) trains for two steps; PPO with its gradient buffers freed
     between updates and token-budget micro-batches; RLOO with a bf16 rollout corrected by TIS
     and rejection, and a larger teacher's per-token reverse KL added to its advantages
-    (on-policy distillation), the teacher offloaded between experiences."""
+    (on-policy distillation), the teacher on a layout of its own (DP2 beside the job's TP2)
+    and offloaded between experiences."""
     out = tmp_path / recipe
     # PPO trains with full activation recompute (its exactness: test_memory_check_distributed).
     overrides = ["model.recompute.granularity=full"] if recipe == "ppo" else []
@@ -320,6 +321,7 @@ def test_recipe_runs_two_steps(
             f"teacher.path={tiny_teacher_dir}",
             "teacher.kl_coef=0.5",
             "teacher.param_offload=true",
+            "teacher.tensor_model_parallel_size=1",  # a layout of its own: DP2 beside TP2
         ]
     train(
         recipe,

@@ -308,11 +308,17 @@ def test_router_losses_train_the_router_apart_from_the_policy_loss(family_dir, t
     assert len(frozen["changed"]) == 69 - 2  # every other tensor trained
 
 
-def test_a_larger_teacher_gives_one_process_log_probs_at_tp2_and_pp2(tiny_teacher_dir, tmp_path):
+def test_a_larger_teacher_gives_one_process_log_probs_on_the_jobs_layout_and_its_own(
+    tiny_teacher_dir, tmp_path
+):
     """On-policy distillation's teacher (6 layers, hidden 192, 6 heads: not the student's
-    shape) through the role the trainer builds for it, at TP2 and PP2 on 2 ranks: every rank
-    gets the log-probs Hugging Face gives the teacher's checkpoint in one process."""
+    shape) through the role the trainer builds for it, on 2 ranks: at TP2 and PP2 as the
+    job's layout, and on a layout of its own (TP2 or PP2 beside a job at DP2 whose ranks
+    hold 5 and 3 rows of different lengths; DP2 beside a job at TP2). Every rank gets, for
+    the rows it holds, the log-probs Hugging Face gives the teacher's checkpoint in one
+    process."""
     from tests.torchrun.actor_critic import global_batch
+    from tests.torchrun.teacher_logprobs import CASES
 
     run_torchrun(
         "tests.torchrun.teacher_logprobs",
@@ -325,7 +331,14 @@ def test_a_larger_teacher_gives_one_process_log_probs_at_tp2_and_pp2(tiny_teache
     with torch.no_grad():
         logp = torch.log_softmax(hf(ids).logits, dim=-1)
     expected = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    for name in ("tp2", "pp2"):
+    for name in CASES:
+        held = set()
         for rank in (0, 1):
-            got = torch.load(tmp_path / f"{name}_{rank}.pt")
-            assert_close(got[:, 1:], expected, FP32_MODEL, f"{name} rank {rank}")
+            rows, got = torch.load(tmp_path / f"{name}_{rank}.pt")
+            columns = got.shape[1]
+            assert columns == (20 if name.startswith("dp2") and rank == 1 else 23)
+            assert_close(
+                got[:, 1:], expected[rows, : columns - 1], FP32_MODEL, f"{name} rank {rank}"
+            )
+            held |= set(rows)
+        assert held == set(range(8)), name
