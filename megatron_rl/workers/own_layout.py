@@ -81,10 +81,8 @@ class OnOwnLayout:
                     f"a batch of {len(whole)} rows cannot be shared by the {dp} data-parallel "
                     f"ranks of the layout {self.layout}"
                 )
-            shares = balanced_assignment(
-                whole.sequence_lengths().tolist(),
-                [len(s) for s in torch.arange(len(whole)).tensor_split(dp)],
-            )
+            sizes = [len(whole) // dp + (r < len(whole) % dp) for r in range(dp)]
+            shares = balanced_assignment(whole.sequence_lengths().tolist(), sizes)
             mine = whole.rows(torch.tensor(shares[_data_parallel_rank()], device=ids.device))
             count = forward_microbatches(len(mine), per_micro_batch)
             logprobs, _ = data_parallel_gather_rows(
