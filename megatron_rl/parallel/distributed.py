@@ -221,17 +221,7 @@ def initialize(
     # why: megatron-core takes seconds to import; a layout error above is reported first
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
-        expert_model_parallel_size=layout.expert_model_parallel_size,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        distributed_timeout_minutes=layout.distributed_timeout_minutes,
-        # On CPU the default group already is gloo; duplicates would only cost sockets.
-        create_gloo_process_groups=use_cuda,
-    )
+    initialize_model_parallel(layout)
 
     seed_everything(seed)
     if deterministic:
@@ -255,6 +245,23 @@ def initialize(
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         cpu_compat=compat,
+    )
+
+
+def initialize_model_parallel(layout: ParallelLayout) -> None:
+    """Megatron's groups for `layout` in `parallel_state` (collective over the world)."""
+    from megatron.core import parallel_state  # why: as in `initialize`, megatron loads late
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+        distributed_timeout_minutes=layout.distributed_timeout_minutes,
+        # On CPU the default group already is gloo; duplicates would only cost sockets.
+        create_gloo_process_groups=torch.cuda.is_available(),
     )
 
 

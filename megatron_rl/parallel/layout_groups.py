@@ -18,9 +18,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
-
-from megatron_rl.parallel.distributed import ParallelLayout
+from megatron_rl.parallel.distributed import ParallelLayout, initialize_model_parallel
 
 _STATE = re.compile(r"_[A-Z][A-Z0-9_]*")
 """parallel_state's module globals: groups, their ranks and the cached sizes (all None, or an
@@ -61,20 +59,10 @@ class LayoutGroups:
         """Collective: every rank of the world calls it, in the same order (each group is a
         `new_group`). `layout` is checked against the world and `arch` first."""
         layout.validate(world_size, arch)
-        ps = _parallel_state()
         job = _capture()
         _apply(_pristine(job))  # initialize_model_parallel refuses groups already set
         try:
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=layout.tensor_model_parallel_size,
-                pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
-                context_parallel_size=layout.context_parallel_size,
-                expert_model_parallel_size=layout.expert_model_parallel_size,
-                expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-                distributed_timeout_minutes=layout.distributed_timeout_minutes,
-                create_gloo_process_groups=torch.cuda.is_available(),
-            )
+            initialize_model_parallel(layout)
             return cls(layout, _capture())
         finally:
             _apply(job)
