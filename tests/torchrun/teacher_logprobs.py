@@ -4,7 +4,7 @@ builds for it (`ReferencePolicy` of the teacher's checkpoint and architecture):
 - on the job's layout, at TP2 and at PP2 (every rank holds the whole batch);
 - on a layout of its own (`OnOwnLayout`): the job at DP2 (rank 0 rows 0-4, rank 1 rows 5-7
   cut to 20 columns) with the teacher at TP2 and at PP2, and the job at TP2 with the teacher
-  at DP2.
+  at DP2; the job's groups are back after the teacher's, also when what ran inside raised.
 Each rank writes {case}_{rank}.pt: (the global rows it held, its log-probs [B_r, S_r]).
 """
 
@@ -38,6 +38,8 @@ def main():
     p.add_argument("--teacher-dir", required=True)
     p.add_argument("--out-dir", required=True)
     a = p.parse_args()
+    from megatron.core import parallel_state  # why: after torchrun's start, as the roles do
+
     arch = ModelSource(a.teacher_dir).architecture()
     for name, (job, own) in CASES.items():
         ctx = distributed.initialize(job, arch=arch)
@@ -49,6 +51,13 @@ def main():
             teacher = build()
         else:
             teacher = OnOwnLayout(build, LayoutGroups.build(own, ctx.world_size, arch))
+            job_groups = parallel_state.get_tensor_model_parallel_group()
+            try:  # whatever ran inside, the job's groups are back after it
+                with teacher.groups.active():
+                    assert parallel_state.get_tensor_model_parallel_group() is not job_groups
+                    raise KeyError("inside")
+            except KeyError:
+                assert parallel_state.get_tensor_model_parallel_group() is job_groups
         batch = global_batch(arch.vocab_size).to(ctx.device)
         rows = range(8)
         if ctx.dp_size == 2:  # uneven rows, and rank 1's batch shorter
@@ -58,8 +67,6 @@ def main():
                 batch = batch.with_length(20)
         logprobs = teacher.compute_logprobs(batch, num_microbatches=2)
         torch.save((list(rows), logprobs.cpu()), Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
     distributed.destroy()
 
