@@ -130,6 +130,13 @@ def check_teacher(config: TrainConfig, world_size: int) -> None:
         )
 
 
+ALONE = (
+    "evaluate the teacher alone on the student's step-0 draws: this recipe with it as "
+    "model.path, trainer.total_steps=0, the student's trainer.seed, teacher.evaluate=false "
+    "and an estimator that needs no teacher (docs/distillation.md)"
+)
+
+
 def check_teacher_layout(config: TrainConfig, arch, world_size: int) -> None:
     """A teacher on a TP / PP layout of its own: a dense model that the sizes shard, in the
     same world; evaluated on its own (the engine's weight push reads the job's groups)."""
@@ -148,7 +155,7 @@ def check_teacher_layout(config: TrainConfig, arch, world_size: int) -> None:
     if t.evaluate:
         raise ConfigError(
             f"{where} with teacher.evaluate=true: the weight push into the rollout engine "
-            "reads the job's layout; evaluate the teacher on its own"
+            f"reads the job's layout; {ALONE}"
         )
     try:
         t.layout(config.parallel).validate(world_size, arch)
@@ -178,7 +185,7 @@ def check_teacher_evaluation(config: TrainConfig, student, teacher) -> None:
         ]
         raise ConfigError(
             f"{where}: the rollout engine is built for the student's architecture and the "
-            f"teacher's differs ({'; '.join(differ)}): evaluate the teacher on its own"
+            f"teacher's differs ({'; '.join(differ)}): {ALONE}"
         )
 
 
