@@ -6,8 +6,9 @@ The role's model is built, loaded and run with its own Megatron groups active
 (`parallel/layout_groups.py`). A batch crosses layouts as rows: every rank gathers the job's
 DP-global batch (token ids and response mask: all a log-prob needs), each of the role's DP
 ranks takes a share balanced in tokens, the role's DP ranks gather the results, and every
-rank keeps the rows it came with. The log-probs are those of the role on the job's layout:
-what crosses is exact copies, the forward is the same model's.
+rank keeps the rows it came with. Only copies cross between the layouts: the log-probs
+are the role's forward on its own layout, equal to its forward on the job's up to the
+rounding of another split of the sums.
 """
 
 from __future__ import annotations
