@@ -47,7 +47,7 @@ from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
 from megatron_rl.workers.schedule import run_schedule
 from megatron_rl.workers.spec import RoleModel
-from tools.bench_common import alternate, record
+from tools.bench_common import alternate, record, timed
 from tools.bench_peer import PEER_PRECISIONS, peer_step
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -152,6 +152,12 @@ def main(argv=None) -> None:
         "two models' states and activations do not fit one device together)",
     )
     p.add_argument("--lora-rank", type=int, default=0, help="add the LoRA actor's update")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, one more step of each arm under torch.profiler: its top "
+        "operators printed, and how much of the step the device spent in kernels",
+    )
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child: one arm alone
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
@@ -173,13 +179,15 @@ def main(argv=None) -> None:
     names = [a.arm] if a.arm else [n for n in ARMS if n not in skipped]
     sequences = a.micro_batch_size * a.num_microbatches
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
-    median = {}
+    median, busy = {}, {}
     if not a.apart or a.arm:
         batch = synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank)
         arms = build_arms(names, arch, layout, a, to_device(batch, ctx.device))
         median = alternate(arms, a.steps, a.warmup)
+        busy = {name: profiled(name, fn) for name, fn in arms.items()} if a.profile else {}
     if a.arm:  # a child: its time, and its peak above what the process held before the models
         row = {"arm": a.arm, "seconds": median[a.arm], "peak_bytes": peak_bytes() - baseline}
+        row.update(busy.get(a.arm, {}))
         print(json.dumps(row), flush=True)
         distributed.destroy()
         return
@@ -208,6 +216,7 @@ def main(argv=None) -> None:
             result[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 4)
             if a.apart:
                 median[name] = row["seconds"]
+                busy[name] = {k: row[k] for k in PROFILED if k in row}
         if "peak_bytes" in alone.get("ppo_update", {}) and "peak_bytes" in alone.get("peer_hf", {}):
             result["memory_ppo_over_peer"] = round(
                 alone["ppo_update"]["peak_bytes"] / alone["peer_hf"]["peak_bytes"], 4
@@ -234,6 +243,8 @@ def main(argv=None) -> None:
     if {"ppo_update", "peer_hf"} <= set(median):
         # tokens/s of ours over the peer's (> 1: ours is faster)
         result["speed_ppo_over_peer"] = round(median["peer_hf"] / median["ppo_update"], 4)
+    for name, fields in busy.items():
+        result.update({f"{name}_{k}": v for k, v in fields.items()})
     flops = model_flops_per_token(arch, a.seq_length) * tokens
     peak = _peak_tflops()
     for name, t in median.items():
@@ -266,6 +277,42 @@ def build_arms(names, arch, layout, a, batch) -> dict:
     if "peer_hf" in names:
         arms["peer_hf"] = peer_step(a.preset, a.peer, batch, a.num_microbatches)
     return arms
+
+
+PROFILED = ("profiled_s", "kernel_s", "kernel_share", "host_syncs")
+
+
+def profiled(name: str, step) -> dict:
+    """One `step` under torch.profiler: prints its 30 costliest kernels on a GPU (else its 25
+    costliest operators by CPU time) and returns its wall seconds, the seconds the device spent in
+    kernels, their share of the wall (low: the host, not the GPU, sets the pace) and the
+    number of times the host waited for the device (stream or device synchronisations)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        seconds = timed(step)
+    events = prof.key_averages()
+    print(f"--- profile of {name}: one step, {seconds:.4f} s ---", flush=True)
+    out = {"profiled_s": round(seconds, 4)}
+    if not cuda:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        return out
+    # the kernels' own rows (an operator's row also counts the kernels it launched)
+    kernels = sorted(
+        (e for e in events if e.device_type == DeviceType.CUDA),
+        key=lambda e: -e.self_device_time_total,
+    )
+    for e in kernels[:30]:
+        total = e.self_device_time_total / 1e3
+        print(f"{total:9.3f} ms {e.count:6d}x  {e.key[:110]}", flush=True)
+    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    out["kernel_s"] = round(kernel_s, 4)
+    out["kernel_share"] = round(kernel_s / seconds, 4)
+    out["host_syncs"] = sum(e.count for e in events if "Synchronize" in e.key)
+    return out
 
 
 def resident_bytes() -> int:
@@ -321,7 +368,9 @@ def arms_alone(argv, names) -> dict[str, dict]:
             last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
             out[name] = {"error": last[-500:]}
             continue
-        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        *printed, last = done.stdout.strip().splitlines()
+        print("\n".join(printed), flush=True)  # the child's profile tables
+        out[name] = json.loads(last)
     return out
 
 

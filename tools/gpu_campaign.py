@@ -159,6 +159,16 @@ def parts(work: Path) -> list[Part]:
             )
             for length in (16384, 32768)
         ),
+        # where the PPO update's time over a plain forward-backward goes: one profiled step
+        # of each arm (top kernels, the device's busy share, host synchronisations)
+        Part("profile_2k", (*train_step, "--steps", "2", "--profile", *results),
+             needs=MEGATRON + PEER),
+        Part(
+            "profile_16k",
+            (*train_step[:-1], "16384", "--micro-batch-size", "1", "--num-microbatches", "1",
+             "--steps", "1", "--warmup", "1", "--apart", "--profile", *results),
+            needs=MEGATRON + PEER,
+        ),
         Part(
             "long_cot_peer",
             ("tools.bench", "long_cot", *shape, "--dtype", "bf16", "--rows", "16",

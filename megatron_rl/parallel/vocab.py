@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from megatron_rl.parallel import vocab_fused
+
 
 def _tp():
     # why: megatron-core takes seconds to import: loaded on first use
@@ -124,8 +126,9 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
     GPU (a [C, V] fp32 pass moves 4 C V bytes; the GEMM's FLOPs per byte are ~hidden / 2), so
     each chunk takes as few as the maths allows: forward max, shift, exp, sum and one row dot;
     backward shift, one multiply-add, exp and one multiply written straight in the weight's
-    dtype. On CUDA the GEMMs write fp32 themselves and the projection's gradient accumulates
-    in fp32 inside the GEMM (`_fp32_gemm`).
+    dtype, or on CUDA the same maths compiled into one pass (`vocab_fused`). On CUDA the
+    GEMMs write fp32 themselves and the projection's gradient accumulates in fp32 inside the
+    GEMM (`_fp32_gemm`).
     """
 
     @staticmethod
@@ -170,17 +173,33 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             else None
         )
         if rows > 0 and (grad_logprobs is not None or grad_entropy is not None):
+            fused = vocab_fused.compiled_grad(hidden.device.type)
             for start in range(0, hidden.shape[0], ctx.chunk):
                 end = min(start + ctx.chunk, hidden.shape[0])
                 h = hidden[start:end]
-                grad = _chunk_logits_grad(
-                    _chunk_logits(h, weight, t).sub_(lse[start:end, None]),  # log p
-                    None if grad_logprobs is None else grad_logprobs[start:end] / t,
-                    None if grad_entropy is None else grad_entropy[start:end] / t,
-                    entropy[start:end],
-                    labels[start:end] - first,
-                    weight.dtype,
-                )
+                g_lp = None if grad_logprobs is None else grad_logprobs[start:end] / t
+                g_h = None if grad_entropy is None else grad_entropy[start:end] / t
+                if fused is not None:
+                    zeros = entropy.new_zeros(end - start)
+                    grad = fused(
+                        _chunk_logits(h, weight, 1.0),
+                        lse[start:end],
+                        zeros if g_lp is None else g_lp,
+                        zeros if g_h is None else g_h,
+                        entropy[start:end],
+                        labels[start:end] - first,
+                        t,
+                        weight.dtype,
+                    )
+                else:
+                    grad = _chunk_logits_grad(
+                        _chunk_logits(h, weight, t).sub_(lse[start:end, None]),  # log p
+                        g_lp,
+                        g_h,
+                        entropy[start:end],
+                        labels[start:end] - first,
+                        weight.dtype,
+                    )
                 if grad_hidden is not None:
                     grad_hidden[start:end] = grad @ weight
                 if grad_weight is not None:

@@ -1,0 +1,52 @@
+"""The compiler's form of the chunked head's backward maths (`vocab_fused`, compiled on CUDA)
+equals the eager in-place form (`vocab._chunk_logits_grad`) that CPU runs. Called uncompiled
+here: the compiled function is the GPU test's (tests/test_gpu.py)."""
+
+import pytest
+import torch
+
+from megatron_rl.parallel import vocab, vocab_fused
+from tests.tolerances import FP32_EXACT_ORDER, assert_close
+
+BF16_ONE_ROUNDING = {"rtol": 2**-7, "atol": 1e-6}
+"""The same fp32 value rounded once to bf16 by two computations whose fp32 arithmetic may
+differ in its last bit: at most one bf16 step (2^-8 relative, 2^-7 below a power of two)."""
+
+
+def _chunk(rows=37, c=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randn(c, rows, generator=g) * 4
+    # labels in this slice, below it (another rank's, negative once shifted) and above it
+    labels = torch.randint(-rows, 2 * rows, (c,), generator=g)
+    return raw, labels, g
+
+
+@pytest.mark.parametrize("terms", ["both", "logprob", "entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_gradient_is_the_eager_one(terms, dtype):
+    raw, labels, g = _chunk()
+    t = 0.7
+    m, s, d, _ = vocab._chunk_sums(raw.clone() / t, labels)
+    lse, entropy = m + torch.log(s), torch.log(s) - d / s
+    g_lp = torch.randn(raw.shape[0], generator=g) if terms != "entropy" else None
+    g_h = torch.randn(raw.shape[0], generator=g) if terms != "logprob" else None
+    want = vocab._chunk_logits_grad(raw / t - lse[:, None], g_lp, g_h, entropy, labels, dtype)
+    zeros = torch.zeros(raw.shape[0])
+    got = vocab_fused.chunk_logits_grad(
+        raw,
+        lse,
+        zeros if g_lp is None else g_lp,
+        zeros if g_h is None else g_h,
+        entropy,
+        labels,
+        t,
+        dtype,
+    )
+    assert got.dtype == dtype
+    # bf16: both round the same fp32 value once, up to the fp32 arithmetic's last bit
+    tol = FP32_EXACT_ORDER if dtype == torch.float32 else BF16_ONE_ROUNDING
+    assert_close(got.float(), want.float(), tol)
+
+
+def test_off_cuda_the_eager_forms_serve():
+    assert vocab_fused.compiled_grad("cpu") is None
