@@ -52,6 +52,7 @@ def test_the_step_watchdog_names_the_phase_where_each_rank_is_and_who_did_not_ar
     assert seconds < 200
 
 
+@pytest.mark.extended  # the watchdog's own report is the test above
 def test_with_the_watchdog_off_the_collective_timeout_ends_it_naming_the_phases(
     tiny_model_dir, tmp_path
 ):

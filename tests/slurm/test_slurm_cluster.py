@@ -241,6 +241,7 @@ def test_usr1_saves_requeues_and_resumes_where_it_stopped(
     same_steps_as(out, uninterrupted[1])
 
 
+@pytest.mark.extended
 def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
     cluster, uninterrupted, tiny_model_dir, tmp_path
 ):
@@ -273,6 +274,7 @@ def test_usr1_mid_generation_aborts_the_step_and_the_requeued_job_redoes_it(
     same_steps_as(out, uninterrupted[1])
 
 
+@pytest.mark.extended
 def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
     cluster, tiny_model_dir, tmp_path
 ):
@@ -305,6 +307,7 @@ def test_an_engine_node_and_a_trainer_node_run_one_step_off_through_a_requeue(
     assert staleness == want, (staleness, stopped_at, kept)
 
 
+@pytest.mark.extended
 def test_a_signal_before_the_workers_start_is_honoured_and_a_start_without_progress_ends(
     cluster, tiny_model_dir, tmp_path
 ):

@@ -44,7 +44,7 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
 
 
 @pytest.mark.e2e  # ~25 s each, three processes: the journeys' tier keeps `make test` short
-@pytest.mark.parametrize("mode", ["--memory", "--apart"])
+@pytest.mark.parametrize("mode", [pytest.param("--memory", marks=pytest.mark.extended), "--apart"])
 def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path, mode):
     """One process: the transformers + SDPA + fused AdamW arm beside ours, and each arm's
     peak memory measured alone in a child process (`--apart`: its speed too)."""
@@ -159,6 +159,7 @@ def test_bench_entry_lists_and_refuses_unknown_names(capsys):
     assert main(["nope"]) == 2 and "unknown benchmark 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.extended  # its planner and to-bar maths: tests/tools/test_bench_unit.py
 @pytest.mark.e2e  # four short training runs: the journeys' tier
 def test_bench_async_times_each_placement_against_colocated(tmp_path):
     """The baseline and one-step-off apart (apart_k0's runs are the disaggregated e2e

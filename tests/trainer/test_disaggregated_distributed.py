@@ -33,6 +33,7 @@ from tests.trainer.runs import VARIED_REWARD, checkpoint, finite, metrics, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 
+EXTENDED = pytest.mark.extended
 DISAGGREGATED = ("rollout.placement=disaggregated", "rollout.engine_ranks=1")
 
 
@@ -137,7 +138,8 @@ def test_two_engine_ranks_and_two_data_parallel_trainers_train_as_two_colocated_
 @pytest.mark.parametrize(
     ("stop_at", "signal_rank", "aborted_in"),
     [
-        ("train:2:rollout/generate", None, "rollout/generate"),  # the engine rank's generation
+        # the engine rank's generation (a variant: the SIGUSR1 case below stops it there too)
+        pytest.param("train:2:rollout/generate", None, "rollout/generate", marks=EXTENDED),
         # a SIGUSR1 to the engine rank alone: the trainer learns of it through the job's store
         ("train:2:rollout/generate", 1, "rollout/generate"),
         # the trainer's second mini-batch of four: one update rewound, the engine idle
@@ -298,8 +300,9 @@ def test_fully_async_generates_the_next_round_beside_this_ones_tail(
     "recipe,ahead",
     [
         ("grpo", ("async.max_staleness=2", "async.partial_rollout=true")),
-        ("rloo", ("async.max_staleness=1",)),
-        ("reinforce_pp", ("async.max_staleness=1",)),
+        # the other estimators one step ahead: variants of the loss, not of the placement
+        pytest.param("rloo", ("async.max_staleness=1",), marks=EXTENDED),
+        pytest.param("reinforce_pp", ("async.max_staleness=1",), marks=EXTENDED),
     ],
 )
 def test_every_estimator_trains_apart_and_ahead(recipe, ahead, tiny_model_dir, tmp_path):
@@ -338,6 +341,7 @@ def test_two_engine_ranks_form_one_tensor_parallel_engine(tiny_model_dir, eval_p
     assert [(r["step"], r["prompts"]) for r in evals] == [(0, 12), (0, 12), (2, 12), (2, 12)]
 
 
+@EXTENDED  # the TP engine forms in the test above; a stop reaches both roles' ranks in others
 def test_a_stop_reaches_both_ranks_of_a_tensor_parallel_engine(
     tiny_model_dir, eval_prompts, tmp_path
 ):

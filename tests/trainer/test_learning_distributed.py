@@ -32,6 +32,7 @@ def test_vapo_recipe_learns_the_demo_task_like_the_reference(tiny_model_dir, tmp
         assert abs(evals[int(step)] - expected) <= ref["band"], (step, evals, ref["eval"])
 
 
+@pytest.mark.extended
 def test_the_tool_use_demo_learns_to_call_the_interpreter(tmp_path):
     """the tool-use demo task, seed 0, 10 PPO steps (the demo runs 20 on 3 seeds: +0.33 to +0.41):
     held-out accuracy rises by the margin and the tool calls per trajectory go up; the demo's

@@ -28,6 +28,7 @@ from tests.trainer.runs import (
 )
 
 pytestmark = pytest.mark.distributed
+EXTENDED = pytest.mark.extended  # e2e variants left out of CI's e2e tier
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +234,7 @@ def test_a_resume_past_a_truncated_rank_file_reproduces_the_steps_it_redoes(
     assert same_weights(checkpoint(resumed, 8)["actor"], checkpoint(vapo_run, 8)["actor"])
 
 
+@EXTENDED  # the resume past a truncated file takes the same path
 @pytest.mark.e2e  # two CLIs after the shared run: ~3.5 min, the journeys' tier
 def test_a_run_stopped_as_value_pretraining_ends_resumes_as_if_uninterrupted(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
@@ -422,18 +424,23 @@ def test_parameter_offload_trains_exactly_as_without(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("stop_at", "save_interval", "aborted_in", "signal_rank"),
     [
-        ("train:3:rollout/generate", 0, "rollout/generate", None),  # inside vLLM's generation
+        # inside vLLM's generation (a variant of the signal case below)
+        pytest.param("train:3:rollout/generate", 0, "rollout/generate", None, marks=EXTENDED),
         # a SIGUSR1 to rank 1 alone, while rank 0 is still generating: it reaches rank 0
         # through the job's store, whose generation aborts too
         ("train:3:rollout/generate", 0, "rollout/generate", 1),
-        ("train:3:rollout/score", 0, "rollout/score", None),  # generated, prompts drawn
-        ("train:3:experience/critic", 0, "experience/critic", None),  # old and ref log-probs made
+        # generated, prompts drawn
+        pytest.param("train:3:rollout/score", 0, "rollout/score", None, marks=EXTENDED),
+        # old and ref log-probs made
+        pytest.param("train:3:experience/critic", 0, "experience/critic", None, marks=EXTENDED),
         # both roles' gradients made, no weight changed; the step's start is saved already
-        ("train:2:train/optimizer_step", 1, "train/optimizer_step", None),
+        pytest.param(
+            "train:2:train/optimizer_step", 1, "train/optimizer_step", None, marks=EXTENDED
+        ),  # fmt: skip
         # after the first of the step's two mini-batches: its updates rewound, then saved
         ("train:3:train/mini_batch", 0, "train/mini_batch", None),
         # during step 2's periodic save: it completes; step 3 aborts at its first check
-        ("train:2:save", 1, "rollout/generate", None),
+        pytest.param("train:2:save", 1, "rollout/generate", None, marks=EXTENDED),
     ],
 )
 def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_exactly(
