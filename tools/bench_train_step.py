@@ -19,6 +19,9 @@ ratios of median step times compare them. `--memory` adds each arm's peak memory
 alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
 CPU, above what the process held before it built anything); `--apart` also takes the speeds
 from those children, for shapes where two models do not fit one device together.
+`--profile` adds one more step of each arm under torch.profiler: its costliest kernels
+printed, the kernels' summed time, their share of the step's wall time (how busy the GPU
+was) and the host's synchronisations.
 Prints one JSON line and appends it to --out. On a GPU it also reports model FLOPs
 utilisation (MFU) against the device's dense bf16 peak, and the ppo_update peak next to
 `tools/plan_memory.py`'s estimate for the same layout.

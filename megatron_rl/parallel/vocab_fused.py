@@ -55,6 +55,7 @@ def compiled_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     log; the eager form then serves)."""
     if device_type != "cuda":
         return None
+    # why: torch's Triton probe imports its inductor utilities, which only CUDA needs
     from torch.utils._triton import has_triton
 
     if not has_triton():

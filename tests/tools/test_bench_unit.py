@@ -42,3 +42,18 @@ def test_time_to_bar_sums_the_steps_up_to_the_first_evaluation_at_the_bar():
                    "time_to_bar_s": 11.0}  # fmt: skip
     never = to_bar(rows, min_gain=0.3)
     assert never["steps_to_bar"] is None and never["time_to_bar_s"] is None
+
+
+def test_a_profiled_step_reports_its_wall_time_and_prints_its_costliest_operators(capsys):
+    import torch
+
+    from tools.bench_train_step import profiled
+
+    x = torch.randn(64, 64)
+    out = profiled("matmuls", lambda: [x @ x for _ in range(3)])
+    printed = capsys.readouterr().out
+    assert "--- profile of matmuls: one step" in printed and "aten::mm" in printed
+    assert out["profiled_s"] > 0
+    # kernel time and host synchronisations exist on CUDA only: not invented on CPU
+    assert set(out) == ({"profiled_s", "kernel_s", "kernel_share", "host_syncs"}
+                        if torch.cuda.is_available() else {"profiled_s"})  # fmt: skip
