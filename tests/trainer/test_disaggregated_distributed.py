@@ -118,6 +118,7 @@ def test_one_trainer_and_one_engine_rank_train_exactly_as_one_colocated_rank(
         assert same_weights(checkpoint(apart, 4)[role], checkpoint(colocated, 4)[role])
 
 
+@EXTENDED  # the one-trainer case above is the same equality
 def test_two_engine_ranks_and_two_data_parallel_trainers_train_as_two_colocated_ranks(
     tiny_model_dir, eval_prompts, tmp_path
 ):
@@ -202,6 +203,7 @@ def test_one_step_off_trains_on_rollouts_one_version_behind(one_step_off, apart)
     assert [r["step"] for r in got[5:]] == [0, 0, 2, 2, 3, 3]  # eval.jsonl: 2 sets each time
 
 
+@EXTENDED  # partial rollouts' stop and resume below run ahead too
 def test_a_stop_while_the_engine_runs_ahead_saves_and_the_resume_finishes(
     one_step_off, tiny_model_dir, eval_prompts, tmp_path
 ):
