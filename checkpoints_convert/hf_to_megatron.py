@@ -35,6 +35,7 @@ from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.dist_checkpoint import save_role, write_metadata
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader, validate_hf_checkpoint
+from megatron_rl.procutil import exit_now
 
 
 def parse_args(argv):
@@ -119,3 +120,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -36,6 +36,7 @@ from checkpoints_convert.common import (
     read_metadata,
     under_torchrun,
 )
+from megatron_rl.procutil import exit_now
 
 
 def parse_args(argv):
@@ -128,3 +129,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

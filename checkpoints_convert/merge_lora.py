@@ -18,6 +18,7 @@ from checkpoints_convert.common import atomic_output_dir, copy_side_files, fail
 from checkpoints_convert.lora import LoraMergedReader
 from megatron_rl.models.hf_export import ShardWriter
 from megatron_rl.models.hf_mapping import HFCheckpointReader
+from megatron_rl.procutil import exit_now
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,3 +46,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -32,6 +32,7 @@ from checkpoints_convert.common import (
     under_torchrun,
 )
 from megatron_rl.numerics import Tolerance, compare
+from megatron_rl.procutil import exit_now
 
 MODEL_TOLERANCE_SCALE = 10.0
 """Verify's default tolerance = assert_close's default for the dtype times this."""
@@ -123,3 +124,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

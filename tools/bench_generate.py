@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.models.presets import PRESETS
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from tools.bench_common import alternate, record
@@ -117,3 +118,4 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new_tokens: int) ->
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -27,6 +27,7 @@ from megatron_rl.data.batch import TrainingBatch, split_micro_batches
 from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.presets import PRESETS, preset_arch
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
@@ -150,3 +151,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

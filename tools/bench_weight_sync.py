@@ -39,6 +39,7 @@ from megatron_rl.models.hf_mapping import expected_hf_shapes
 from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.sync.lora_sync import LoRASync
@@ -185,3 +186,4 @@ def _rank0_path(path: Path | None, ctx) -> Path:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -22,6 +22,8 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from megatron_rl.procutil import exit_now
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -137,3 +139,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

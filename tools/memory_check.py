@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
@@ -30,6 +29,7 @@ from megatron_rl.memory_plan import (
     model_state_bytes,
     stage_params,
 )
+from megatron_rl.procutil import exit_now
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -160,4 +160,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # past the interpreter's teardown of torch, megatron and vLLM

@@ -8,27 +8,28 @@ Monte-Carlo returns for `critic.pretrain_steps` steps (or until explained varian
 
 from __future__ import annotations
 
-from megatron_rl.cli.train import parse_args, start_trainer
+from typing import NoReturn
+
+from megatron_rl.cli.train import finish, parse_args, start_trainer
 from megatron_rl.preemption import STOP
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> NoReturn:
     STOP.install()  # first: a signal while loading asks for a stop, it does not kill
     config = parse_args(argv, __doc__)
     if config.critic.pretrain_steps < 1:
         raise SystemExit("config error: critic.pretrain_steps must be >= 1 for value pretraining")
     trainer = start_trainer(config)
-    if trainer is None:  # an engine rank of a disaggregated placement, done
-        return
-    try:
-        if trainer.value_pretrain_done:
-            print("value pretraining already done in this output_dir", flush=True)
-        else:
-            trainer.fit_value_pretraining()  # a stop request ends it early, saved: exit 0
-    except BaseException:
-        trainer.close(failed=True)
-        raise
-    trainer.close()
+    if trainer is not None:  # None: an engine rank of a disaggregated placement, done
+        try:
+            if trainer.value_pretrain_done:
+                print("value pretraining already done in this output_dir", flush=True)
+            else:
+                trainer.fit_value_pretraining()  # a stop request ends it early, saved: exit 0
+        except BaseException:
+            trainer.close(failed=True)
+            raise
+    finish(trainer)
 
 
 if __name__ == "__main__":

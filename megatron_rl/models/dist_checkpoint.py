@@ -10,26 +10,22 @@ exportable with `checkpoints_convert.megatron_to_hf`.
                              through value pretraining), which loads back as unstepped
     <dir>/hf_meta/           the Hugging Face source's config, generation config, tokenizer
 
-Every rank calls `save_role` / `load_role` (they are collectives). A script that saves must
-keep its work under `if __name__ == "__main__":` (megatron's writer starts a spawn-method
-multiprocessing Manager).
+Every rank calls `save_role` / `load_role` (they are collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
+import queue
 import re
 import shutil
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.lora import is_adapted
-from megatron_rl.procutil import outlive_job_signals
 
 METADATA = "megatron_rl.json"
 MODEL_SUBDIR = "model"
@@ -109,23 +105,24 @@ non-distributed optimizer's, so a checkpoint reshards in TP, PP and DP alike (Me
 supported", tests/test_gpu.py on an H200, bench/gpu.md); 'dp_reshardable' saves without
 gathering on DP rank 0 but reshards in DP only."""
 
-_MANAGERS: list = []
 
-
-def _start_writer_queue() -> None:
-    """megatron's torch_dist writer passes results through the queue of a spawn-method
-    Manager process it starts at the first save. SLURM's `scancel` signals every process of
-    the job: a Manager killed by that SIGTERM would break the very save the signal asks for
-    (found by tests/trainer/test_train_distributed.py's SIGTERM test). Start it ourselves."""
+def _use_in_process_writer_queue() -> None:
+    """megatron's torch_dist writer passes its write results through a queue that, by
+    default, lives in a spawn-method Manager process it starts at the first save. Our saves
+    are synchronous (megatron's `execute_sync`: the results are put and taken in this
+    process), so a plain in-process queue serves. Why not the Manager: a first save 2.4-4.4 s
+    longer (the Manager imports the main module and, to unpickle the first results, torch:
+    2-core CPU), and a helper process that SLURM's `scancel` would signal with the rest of
+    the job, breaking the very save the signal asks for (as tests/trainer/
+    test_train_distributed.py's SIGTERM test once found). An asynchronous save would put its
+    results in a forked copy of this queue and fail on the empty one ("results_queue should
+    not be empty"), never silently."""
 
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=outlive_job_signals)
-        _MANAGERS.append(manager)  # alive as long as this process; shut down at its exit
-        filesystem_async._results_queue = manager.Queue()
+        filesystem_async._results_queue = queue.Queue()
 
 
 def inner_optimizers(optimizer) -> list:
@@ -241,7 +238,7 @@ def save_role(chunks: list, optimizer, ckpt_dir: Path) -> None:
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core import dist_checkpointing
 
-    _start_writer_queue()
+    _use_in_process_writer_queue()
     model_dir = Path(ckpt_dir) / MODEL_SUBDIR
     if torch.distributed.get_rank() == 0:
         model_dir.mkdir(parents=True)

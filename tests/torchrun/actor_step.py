@@ -9,6 +9,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -141,3 +142,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -20,6 +20,7 @@ from megatron_rl.parallel.vocab import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from megatron_rl.procutil import exit_now
 
 VOCAB, PADDED, HIDDEN, TOKENS = 250, 256, 32, (3, 10)
 CASES = {  # name: (chunk, temperature, entropy in the loss)
@@ -87,3 +88,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -18,6 +18,7 @@ from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.models.gpt import build_gpt_model_chunks
 from megatron_rl.models.presets import preset_arch
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.workers.schedule import run_schedule
 from tests.torchrun.common import fixed_tokens
 
@@ -105,3 +106,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

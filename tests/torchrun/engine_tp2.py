@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 
@@ -51,3 +52,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -20,6 +20,7 @@ from megatron_rl.models.gpt import MoEConfig, build_gpt_model_chunks
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors, load_hf_into_megatron
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from tests.torchrun.common import fixed_tokens, gather_vocab, position_ids
 
 Layout = distributed.ParallelLayout
@@ -80,3 +81,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

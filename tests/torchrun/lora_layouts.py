@@ -33,6 +33,7 @@ from megatron_rl.models.hf_mapping import fc1_shard
 from megatron_rl.models.lora import LORA_METADATA, LoRAConfig, global_layer_name, lora_modules
 from megatron_rl.models.peft_export import save_peft_adapter
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.sync.weight_sync import all_stage_tensors
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -164,3 +165,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

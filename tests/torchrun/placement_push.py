@@ -22,6 +22,7 @@ from megatron_rl.models.hf_mapping import expected_hf_shapes, export_hf_tensors
 from megatron_rl.parallel import distributed
 from megatron_rl.parallel.placement import Placement, initialize_role
 from megatron_rl.preemption import StopRequest
+from megatron_rl.procutil import exit_now
 from megatron_rl.sync.weight_push import (
     bridge_group,
     broadcast_object,
@@ -108,3 +109,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -18,6 +18,7 @@ from megatron_rl.models.gpt import build_gpt_model_chunks, layer_offset
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import load_hf_into_megatron
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from tests.torchrun.common import fixed_tokens, position_ids
 
 MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ = 4, 2, 16
@@ -106,3 +107,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

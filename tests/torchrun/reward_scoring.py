@@ -9,6 +9,7 @@ import os
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.rewards import PythonRewardConfig, RewardInput
 from megatron_rl.rewards.pool import ModelParallelScoringPool
 
@@ -37,3 +38,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

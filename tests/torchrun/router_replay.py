@@ -21,6 +21,7 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
 from megatron_rl.models.router_replay import RouterReplayConfig
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout.types import EngineConfig, GenerationStopped, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 from megatron_rl.workers.losses_config import PolicyLossConfig
@@ -115,3 +116,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

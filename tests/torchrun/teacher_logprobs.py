@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron_rl.models.source import ModelSource
 from megatron_rl.parallel import distributed
 from megatron_rl.parallel.layout_groups import LayoutGroups
+from megatron_rl.procutil import exit_now
 from megatron_rl.workers.own_layout import OnOwnLayout
 from megatron_rl.workers.policy import ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
@@ -73,3 +74,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -11,6 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megatron_rl.models.dist_checkpoint import inner_optimizers
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig, current_lr
 from megatron_rl.workers.policy import Actor
@@ -115,3 +116,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

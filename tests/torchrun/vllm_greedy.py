@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
 from megatron_rl.rollout.vllm_engine import VLLMEngine
 
@@ -29,3 +30,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM

@@ -22,6 +22,7 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import HFCheckpointReader
 from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.parallel import distributed
+from megatron_rl.procutil import exit_now
 from megatron_rl.rollout import vllm_cpu_experts
 from megatron_rl.rollout.parity import engine_token_logprobs, logprob_gap
 from megatron_rl.rollout.types import EngineConfig, SamplingConfig
@@ -147,3 +148,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now()  # past the interpreter's teardown of torch, megatron and vLLM
