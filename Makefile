@@ -10,8 +10,8 @@ LOCK := requirements/cpu.lock
 LOCKED := $(VENV)/.lock-installed
 STAMP := $(VENV)/.megatron_rl-installed
 PYTEST_ARGS ?=
-# `make demo`: the demo task's VAPO on 3 seeds, then on-policy distillation from its seed 0
-DEMO_ARGS ?= --distill examples/tiny/distill_count_on.yaml
+# `make demo`: the demo task's VAPO on 3 seeds, then on-policy distillation from its seed 0, alone and added to the reward
+DEMO_ARGS ?= --distill examples/tiny/distill_count_on.yaml --distill examples/tiny/distill_reward_count_on.yaml
 # extra pip-compile arguments for `make lock`: --upgrade, or --upgrade-package NAME
 LOCK_ARGS ?=
 PIP_TOOLS := pip-tools==7.6.2

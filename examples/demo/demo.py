@@ -27,12 +27,13 @@ answered in ~9 tokens (`examples/tiny/vapo.yaml`, an 80-step warm start: longer 
 training there is chaotic, the accuracy it ends at differed between CPUs' kernels by up to
 0.5).
 
-On-policy distillation (`--distill examples/tiny/distill_count_on.yaml`, in `make demo`):
-after the recipe's first seed, its last actor checkpoint is the teacher of a distillation
-run from the same warm start on every seed, which evaluates the teacher too before training
-(`teacher.evaluate`: `eval/teacher/accuracy`, with the student's seeds); the table beside
-gives each arm's steps and wall time to the pass mark and to the teacher's accuracy. Every
-arm must gain `--min-gain` on every seed.
+On-policy distillation (`--distill examples/tiny/distill_count_on.yaml`: the teacher's
+signal alone; `--distill examples/tiny/distill_reward_count_on.yaml`: added to GRPO's task
+advantages; both in `make demo`): after the recipe's first seed, its last actor checkpoint
+is the teacher of a distillation run from the same warm start on every seed, which
+evaluates the teacher too at every evaluation (`teacher.evaluate`: `eval/teacher/accuracy`,
+with the student's seeds); the table beside gives each arm's steps and wall time to the pass
+mark and to the teacher's accuracy. Every arm must gain `--min-gain` on every seed.
 
 `--smoke` runs the older stack check instead: a Megatron TP=2 forward/backward against
 Hugging Face, and a vLLM generation.
@@ -334,8 +335,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--distill",
+        action="append",
+        default=[],
         help="an on-policy distillation recipe run on every seed after the recipe's, its "
-        "teacher the recipe's first seed's last actor checkpoint",
+        "teacher the recipe's first seed's last actor checkpoint (repeat for more)",
     )
     p.add_argument(
         "--min-gain", type=float, default=MIN_GAIN, help="held-out accuracy gain every seed needs"
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     name = Path(recipe).stem
     arms = {name: recipe}
-    for extra in (a.beside, a.distill):
+    for extra in (a.beside, *a.distill):
         if extra:
             arms[Path(extra).stem] = extra
     teacher = None  # the recipe's first seed's last actor checkpoint (--distill)
@@ -375,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         for arm, arm_recipe in arms.items():
             run_dir = a.dir / f"{arm}-seed{seed}"
-            overrides = [f"teacher.path={teacher}"] if arm_recipe == a.distill else []
+            overrides = [f"teacher.path={teacher}"] if arm_recipe in a.distill else []
             run_rl(arm_recipe, sft_dir, run_dir, seed, overrides)
             results[arm][seed] = read_curves(run_dir / "metrics.jsonl")
             print(f"[3/5] {arm} seed {seed}: {run_dir} (metrics.jsonl, checkpoints/)", flush=True)

@@ -139,7 +139,7 @@ ALONE = (
 
 def check_teacher_layout(config: TrainConfig, arch, world_size: int) -> None:
     """A teacher on a TP / PP layout of its own: a dense model that the sizes shard, in the
-    same world; evaluated on its own (the engine's weight push reads the job's groups)."""
+    same world."""
     t = config.teacher
     where = (
         f"teacher.tensor_model_parallel_size={t.tensor_model_parallel_size}, "
@@ -151,11 +151,6 @@ def check_teacher_layout(config: TrainConfig, arch, world_size: int) -> None:
         raise ConfigError(
             f"{where} with a mixture-of-experts teacher ({t.path}): its expert groups would "
             "need a layout of their own too; leave both unset to use the job's"
-        )
-    if t.evaluate:
-        raise ConfigError(
-            f"{where} with teacher.evaluate=true: the weight push into the rollout engine "
-            f"reads the job's layout; {ALONE}"
         )
     try:
         t.layout(config.parallel).validate(world_size, arch)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +69,7 @@ from megatron_rl.trainer.value_pretrain import (
     unsettled_warning,
 )
 from megatron_rl.trainer.watchdog import Watchdog
+from megatron_rl.workers.own_layout import OnOwnLayout
 
 MEMORY_TIMELINE = "memory_timeline.jsonl"
 
@@ -503,7 +504,11 @@ class RLTrainer:
         """The teacher's weights into the engine, every eval set with this step's request
         seeds (the student's: the two are compared on the same draws), then the actor's
         weights back. Metrics as `eval/teacher/...`; eval.jsonl rows with "policy": "teacher"."""
-        self.rollout.push_weights(self.roles.teacher, self.step)
+        teacher = self.roles.teacher
+        # on a layout of its own, its weights are read with its groups active
+        own = teacher.weights() if isinstance(teacher, OnOwnLayout) else nullcontext(teacher)
+        with own as weights:
+            self.rollout.push_weights(weights, self.step)
         self.offload("teacher")
         metrics, rows = self.rollout.evaluate(self.step)
         self.logger.log_eval(self.step, [{**row, "policy": "teacher"} for row in rows])

@@ -13,8 +13,9 @@ rounding of another split of the sums.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -56,6 +57,14 @@ class OnOwnLayout:
 
     def offload_params(self) -> None:
         self.role.offload_params()
+
+    @contextlib.contextmanager
+    def weights(self) -> Iterator[object]:
+        """The role itself, its groups active: for what reads its weights through megatron's
+        group getters, the weight push of `teacher.evaluate` (its TP shards gathered and its
+        PP stages broadcast on its own layout, so every rank holds whole tensors)."""
+        with self.groups.active():
+            yield self.role
 
     def restore_params(self) -> None:
         self.role.restore_params()

@@ -15,6 +15,7 @@ layer), and writes (rank 0 unless said):
 """
 
 import argparse
+import multiprocessing
 import zlib
 from pathlib import Path
 
@@ -126,6 +127,9 @@ def run_layout(name, arch, hf_dir, batch, out, save_from):
     save_peft_adapter(actor.chunks, arch, lora, mkdir(here / "stepped"), hf_dir)
     if name == save_from:  # a training checkpoint's actor directory, as the trainer writes it
         save_role(actor.chunks, actor.optimizer, out / "ckpt")
+        # the writer's results came through an in-process queue: no helper process is left
+        # that a job's SIGTERM would kill during a save (`dist_checkpoint`)
+        assert multiprocessing.active_children() == [], multiprocessing.active_children()
         if ctx.rank == 0:
             meta = {LORA_METADATA: lora.to_dict()}
             write_metadata(out / "ckpt", "actor", arch, source=hf_dir, **meta)

@@ -607,11 +607,12 @@ def test_a_distillation_run_evaluates_its_teacher_and_resumes_exactly(
     vapo_run, tiny_model_dir, labelled_prompts, tmp_path
 ):
     """The shared run's last actor teaches the warm start (`on_policy_distill`, offloaded
-    teacher). At each evaluation (before training and at step 2) the run evaluates the
-    student and then the teacher (`teacher.evaluate`): the student's rows at step 0 are the
-    shared run's, the teacher's greedy row is the shared run's at its last step (the same
-    weights, in the engine). Then a resume from step 1 redoes step 2 exactly, the teacher's
-    evaluation with it."""
+    teacher, on a layout of its own: DP 2 beside the job's TP 2). At each evaluation (before
+    training and at step 2) the run evaluates the student and then the teacher
+    (`teacher.evaluate`): the student's rows at step 0 are the shared run's, the teacher's
+    greedy row is the shared run's at its last step (the same weights in the engine, pushed
+    from the teacher's layout). Then a resume from step 1 redoes step 2 exactly, the
+    teacher's evaluation with it."""
     teacher = vapo_run / "checkpoints" / "step_000008" / "actor"
     overrides = [
         *vapo_overrides(tiny_model_dir, labelled_prompts),
@@ -621,6 +622,7 @@ def test_a_distillation_run_evaluates_its_teacher_and_resumes_exactly(
         f"teacher.path={teacher}",
         "teacher.evaluate=true",
         "teacher.param_offload=true",
+        "teacher.tensor_model_parallel_size=1",
         "trainer.total_steps=2",
         "actor.optim.lr_warmup_steps=2",
     ]
