@@ -173,6 +173,33 @@ def current_lr(optimizer) -> float:
     return get_canonical_lr_for_logging(optimizer.param_groups)
 
 
+def use_fused_adamw_on_cpu(optimizer) -> None:
+    """Where megatron-core fell back to torch's AdamW (no Transformer Engine, no apex) and a
+    group's parameters are fp32 on the CPU, run torch's fused kernel: the same update in one
+    pass over each tensor, where torch's CPU default dispatches a dozen ops per parameter from
+    Python (the plain-PyTorch peer of `tools.bench train_step` uses it too). Only where every
+    parameter, its DDP gradient (`main_grad`) and its moments are contiguous: torch 2.13's
+    CPU kernel silently updates a strided tensor wrong (a TP shard of a LoRA A sliced from
+    the whole is one; `tests/workers/test_lr_schedule_unit.py`). Set on the group, which
+    torch reads at every step and a checkpoint's groups bring back: elsewhere it is put back
+    to torch's default (None: foreach on CUDA, the loop on CPU), whatever the checkpoint says."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(inner, "optimizer", inner)  # megatron's wrapper -> torch's optimizer
+        for group in inner.param_groups:
+            if "fused" not in group or group.get("foreach") or group["differentiable"]:
+                continue  # not torch's Adam, or a variant the fused kernel does not run
+            params = group["params"]
+            tensors = [
+                t
+                for p in params
+                for t in (p, getattr(p, "main_grad", p), *inner.state.get(p, {}).values())
+                if torch.is_tensor(t)
+            ]
+            fits = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            fits = fits and all(t.is_contiguous() for t in tensors)
+            group["fused"] = True if params and fits else None
+
+
 def restore_schedule(scheduler, saved: dict | None) -> list[str]:
     """Continue `scheduler` (built from this run's config) from the update count of a
     checkpoint's schedule (`saved`; None: the checkpoint predates schedules, counted from 0).
@@ -198,8 +225,10 @@ def apply_hyperparameters(optimizer, optim: OptimConfig) -> list[str]:
     neither), weight decay, betas and eps from `optim`, with megatron's per-group `wd_mult`
     (0: no weight decay on biases and norms). Called when the optimizer is built and again
     after a checkpoint's state is loaded, whose param groups would bring back the saved
-    values: the config wins. The lr itself is the scheduler's (`restore_schedule`). Returns
+    values: the config wins. The lr itself is the scheduler's (`restore_schedule`). Also
+    picks the AdamW kernel (`use_fused_adamw_on_cpu`), which a loaded group resets. Returns
     "name: old -> new" per changed value."""
+    use_fused_adamw_on_cpu(optimizer)
     changed: dict[str, tuple] = {}
     for group in optimizer.param_groups:
         wanted = {

@@ -263,7 +263,9 @@ class TrainableRole(MegatronRole):
         if shares:  # every rank of a DP group is the same pipeline stage: all call this
             totals = data_parallel_sum(torch.stack([out[k].sum() for k in shares]))
             out.update(zip(shares, totals, strict=True))
-        out = {k: (v if k in BATCH_SHARES else v.nanmean()).item() for k, v in out.items()}
+        # one copy to the host for all of them (a GPU waits once, not once per metric)
+        values = torch.stack([v if k in BATCH_SHARES else v.nanmean() for k, v in out.items()])
+        out = dict(zip(out, values.tolist(), strict=True))
         out["micro_batches"] = float(len(micro))  # this rank's, token budgets make it vary
         return {**out, **router}
 

@@ -1,5 +1,6 @@
 """The learning-rate schedule (`workers/optimizer.py`): megatron-core's OptimizerParamScheduler
-over a role's optimizer, counted in optimizer updates, resumed from a checkpoint's count."""
+over a role's optimizer, counted in optimizer updates, resumed from a checkpoint's count; and
+the AdamW kernel `apply_hyperparameters` picks."""
 
 from __future__ import annotations
 
@@ -171,3 +172,68 @@ def test_the_runs_updates_resolve_the_decay_and_bound_the_warm_up(tiny_model_dir
     long = replace(config.actor, optim=replace(config.actor.optim, lr_warmup_steps=20))
     with pytest.raises(ConfigError, match=r"actor\.optim\.lr_warmup_steps \(20\) is not below"):
         validate_config(replace(config, actor=long), world_size=2)
+
+
+def test_fp32_cpu_groups_run_torchs_fused_adamw_the_same_update_after_a_load_too():
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1)
+    opt = optimizer(optim)
+    assert [g["fused"] for g in opt.param_groups] == [True, True]
+    weight, bias = (
+        p.detach().clone().requires_grad_() for g in opt.param_groups for p in g["params"]
+    )
+    plain = torch.optim.AdamW(  # torch's CPU default: a loop over the tensors
+        [{"params": [weight], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}],
+        lr=optim.lr,
+    )
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for ours, theirs in zip(
+            [p for gr in opt.param_groups for p in gr["params"]],
+            [p for gr in plain.param_groups for p in gr["params"]],
+            strict=True,
+        ):
+            ours.grad = torch.randn(ours.shape, generator=g)
+            theirs.grad = ours.grad.clone()
+        opt.step()
+        plain.step()
+    for ours, theirs in zip(opt.param_groups, plain.param_groups, strict=True):
+        torch.testing.assert_close(ours["params"][0], theirs["params"][0], rtol=1e-6, atol=1e-7)
+    # a checkpoint saved by another kernel choice brings its own back: the choice is re-made
+    saved = opt.state_dict()
+    saved["param_groups"][0]["fused"] = None
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["fused"] is None
+    apply_hyperparameters(opt, optim)
+    assert [g["fused"] for g in opt.param_groups] == [True, True]
+
+
+def test_a_group_off_the_cpu_gets_torchs_default_kernel_back():
+    optim = OptimConfig()
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2, device="meta"))], fused=None)
+    opt.param_groups[0]["fused"] = True  # as a CPU run's checkpoint would bring it
+    apply_hyperparameters(opt, optim)
+    assert opt.param_groups[0]["fused"] is None
+
+
+def test_a_strided_parameter_gradient_or_moment_keeps_the_loop():
+    """torch's fused CPU AdamW updates a strided tensor wrong (a TP shard sliced from a whole
+    tensor): its group keeps the loop, and the update stays right."""
+    optim = OptimConfig(lr=1e-2, weight_decay=0.0, adam_eps=1e-3)
+    shard = torch.nn.Parameter(torch.randn(8, 352)[:, 176:])  # a view: not contiguous
+    strided_grad = torch.nn.Parameter(torch.randn(8, 176))
+    strided_grad.main_grad = torch.randn(176, 8).t()
+    for p in (shard, strided_grad):
+        opt = torch.optim.AdamW([p], lr=optim.lr, eps=optim.adam_eps, weight_decay=0.0)
+        apply_hyperparameters(opt, optim)
+        assert opt.param_groups[0]["fused"] is None
+        p.grad = torch.randn(p.shape) if p is shard else p.main_grad
+        before = p.detach().clone()
+        opt.step()
+        # |g| >> eps: the first step moves every element by lr against its gradient's sign
+        assert torch.equal((p.detach() - before).sign(), -p.grad.sign())
+    # a moment loaded strided (a checkpoint's tensors as they came)
+    p = torch.nn.Parameter(torch.randn(8, 176))
+    opt = torch.optim.AdamW([p])
+    opt.state[p] = {"exp_avg": torch.zeros(176, 8).t(), "step": torch.tensor(0.0)}
+    apply_hyperparameters(opt, optim)
+    assert opt.param_groups[0]["fused"] is None
