@@ -31,7 +31,7 @@ def device_l2_norm(
     Per-tensor norms (`per_tensor`) are not asked for by megatron-core's clip: refused."""
     if per_tensor:
         raise NotImplementedError("device_l2_norm: per_tensor norms are not implemented")
-    tensors = [t for tensors in tensor_lists for t in tensors]
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
     if not tensors:
         raise ValueError("device_l2_norm: no tensors (megatron-core only calls it with some)")
     # accumulated in float32 whatever the gradients' dtype, as apex's kernel does
