@@ -126,8 +126,10 @@ def _use_in_process_writer_queue() -> None:
 
 
 def inner_optimizers(optimizer) -> list:
-    """The torch optimizers inside megatron's (one, or one per chained optimizer)."""
-    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    """The torch optimizers inside megatron's (one, or one per chained optimizer); a torch
+    optimizer is its own."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [getattr(o, "optimizer", o) for o in subs]
 
 
 def has_stepped(optimizer) -> bool:

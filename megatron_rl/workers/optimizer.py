@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_rl.models.dist_checkpoint import inner_optimizers
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -183,8 +185,7 @@ def use_fused_adamw_on_cpu(optimizer) -> None:
     the whole is one; `tests/workers/test_lr_schedule_unit.py`). Set on the group, which
     torch reads at every step and a checkpoint's groups bring back: elsewhere it is put back
     to torch's default (None: foreach on CUDA, the loop on CPU), whatever the checkpoint says."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(inner, "optimizer", inner)  # megatron's wrapper -> torch's optimizer
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             if "fused" not in group or group.get("foreach") or group["differentiable"]:
                 continue  # not torch's Adam, or a variant the fused kernel does not run
