@@ -140,6 +140,33 @@ def test_cpu_compat_maps_cuda_factories_only_inside_megatron_schedules():
         torch.zeros(1, device="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU layer is inert with CUDA")
+def test_cpu_compat_lifts_its_mode_around_the_models_forward_and_backward():
+    """Inside a schedule, megatron's forward_step and backward_step run without the device
+    mode (its Python call on every op is what it would cost); the mask builders they may call
+    keep their own scope, and the schedule has its mode back afterwards."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from torch.overrides import _get_current_function_mode
+
+    assert cpu_compat.apply() is True
+    for name in ("forward_step", "backward_step"):
+        assert getattr(getattr(schedules, name), "__megatron_rl_cpu_compat__", False), name
+
+    def step():
+        mode = _get_current_function_mode()
+        return mode, fused_softmax.get_default_causal_mask(3)
+
+    lifted = cpu_compat._without_device_mode(step)
+    with cpu_compat.CudaToCpuDeviceMode() as outer:
+        mode, mask = lifted()
+        assert mode is None
+        assert mask.device.type == "cpu"
+        assert _get_current_function_mode() is outer
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert lifted()[0] is None  # outside any mode: runs as it is
+
+
 def test_two_lone_processes_on_one_host_initialise_at_once(tmp_path):
     """A process outside torchrun (a warm start, a tool) picks a free rendezvous port: two at
     once both held the fixed 29500 before (EADDRINUSE)."""

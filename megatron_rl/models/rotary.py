@@ -1,0 +1,91 @@
+"""Rotary position embedding (Su et al. 2021, "RoFormer", arXiv:2104.09864) applied in a few
+passes, for megatron-core's unfused path.
+
+Without Transformer Engine's fused kernel, megatron-core applies RoPE to the queries and keys
+of every layer with `rope_utils._apply_rotary_pos_emb_bshd`: a chunk, a negation and a
+concatenation to rotate the halves, two products and a sum, and one more concatenation with
+the (empty) part left unrotated, each a pass over the tensor, and autograd keeps the rotated
+copy for backward. On the 2-core CPU the two concatenations of strided [s, b, n, d] views were
+the costliest of them (profiled: 79 `cat` calls per update against the plain PyTorch step's 34,
+4x their time). `RotateHalf` computes the same
+
+    out = t * cos + rotate_half(t) * sin,   rotate_half([t1, t2]) = [-t2, t1]
+
+as one product and a multiply-add into each half of the result, and its backward as the
+transposed rotation, g * cos + [g2 * sin2, -g1 * sin1]: three passes each way, nothing saved
+but cos and sin ([s, 1, 1, d]). `use_rotate_half_rope()` puts it where megatron's attention
+calls `apply_rotary_pos_emb`, for the case it covers (non-interleaved RoPE over the whole
+head, `bshd` layout); every other case (packed `thd`, interleaved, partial rotary, multi-latent
+attention, a fused kernel asked for) goes to megatron-core's own function unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotateHalf(torch.autograd.Function):
+    """t * cos + rotate_half(t) * sin for t [..., d] and cos, sin broadcastable to it (d even,
+    the halves' frequencies in the order megatron and Hugging Face lay them out)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = t.shape[-1] // 2
+        out = t * cos
+        out[..., :half].addcmul_(t[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(t[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        # out1 = t1 c1 - t2 s1, out2 = t2 c2 + t1 s2: dt1 = g1 c1 + g2 s2, dt2 = g2 c2 - g1 s1
+        grad_t = grad * cos
+        grad_t[..., :half].addcmul_(grad[..., half:], sin[..., half:])
+        grad_t[..., half:].addcmul_(grad[..., :half], sin[..., :half], value=-1)
+        return grad_t, None, None
+
+
+def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """RoPE of t [s, b, n, d] at angles freqs [s, 1, 1, d] (fp32), cos and sin scaled by
+    `mscale` and cast to t's dtype first, as megatron-core does."""
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    return RotateHalf.apply(t, cos, sin)
+
+
+def _rotary_pos_emb(megatron_fn):
+    """megatron's `apply_rotary_pos_emb` signature, taking the covered case itself."""
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        covered = (
+            cu_seqlens is None
+            and not config.apply_rope_fusion
+            and not config.rotary_interleaved
+            and not config.multi_latent_attention
+            and t.dim() == 4
+            and freqs.shape[-1] == t.shape[-1]
+            and t.shape[-1] % 2 == 0
+        )
+        if covered:
+            return apply_rope(t, freqs, mscale)
+        return megatron_fn(
+            t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
+        )
+
+    apply_rotary_pos_emb.megatron_fn = megatron_fn
+    return apply_rotary_pos_emb
+
+
+def use_rotate_half_rope() -> bool:
+    """Route megatron-core's attention's RoPE through `apply_rope` where it covers the case
+    (above). Returns whether it is in place; idempotent."""
+    # why: megatron-core takes seconds to import: loaded on first use
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    if attention.apply_rotary_pos_emb is rope_utils.apply_rotary_pos_emb:
+        attention.apply_rotary_pos_emb = _rotary_pos_emb(rope_utils.apply_rotary_pos_emb)
+    return getattr(attention.apply_rotary_pos_emb, "megatron_fn", None) is not None
