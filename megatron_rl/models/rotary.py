@@ -4,19 +4,20 @@ passes, for megatron-core's unfused path.
 Without Transformer Engine's fused kernel, megatron-core applies RoPE to the queries and keys
 of every layer with `rope_utils._apply_rotary_pos_emb_bshd`: a chunk, a negation and a
 concatenation to rotate the halves, two products and a sum, and one more concatenation with
-the (empty) part left unrotated, each a pass over the tensor, and autograd keeps the rotated
-copy for backward. On the 2-core CPU the two concatenations of strided [s, b, n, d] views were
-the costliest of them (profiled: 79 `cat` calls per update against the plain PyTorch step's 34,
-4x their time). `RotateHalf` computes the same
+the (empty) part left unrotated, each a pass over the tensor, and each undone in backward.
+On the 2-core CPU the two concatenations of strided [s, b, n, d] views were the costliest of
+them (profiled: 79 `cat` calls per update against the plain PyTorch step's 34, 4x their
+time). `RotateHalf` computes the same
 
     out = t * cos + rotate_half(t) * sin,   rotate_half([t1, t2]) = [-t2, t1]
 
 as one product and a multiply-add into each half of the result, and its backward as the
-transposed rotation, g * cos + [g2 * sin2, -g1 * sin1]: three passes each way, nothing saved
-but cos and sin ([s, 1, 1, d]). `use_rotate_half_rope()` puts it where megatron's attention
-calls `apply_rotary_pos_emb`, for the case it covers (non-interleaved RoPE over the whole
-head, `bshd` layout); every other case (packed `thd`, interleaved, partial rotary, multi-latent
-attention, a fused kernel asked for) goes to megatron-core's own function unchanged.
+transposed rotation, g * cos + [g2 * sin2, -g1 * sin1]: three passes each way, saving cos and
+sin ([s, 1, 1, d]) as megatron's products do. `use_rotate_half_rope()` puts it where
+megatron's attention calls `apply_rotary_pos_emb`, for the case it covers (non-interleaved
+RoPE over the whole head, `bshd` layout); every other case (packed `thd`, interleaved, partial
+rotary, multi-latent attention, a fused kernel asked for) goes to megatron-core's own function
+unchanged.
 """
 
 from __future__ import annotations
