@@ -13,10 +13,13 @@ time). `RotateHalf` computes the same
 
 as one product and a multiply-add into each half of the result, and its backward as the
 transposed rotation, g * cos + [g2 * sin2, -g1 * sin1]: three passes each way, saving cos and
-sin ([s, 1, 1, d]) as megatron's products do. `use_rotate_half_rope()` puts it where
-megatron's attention calls `apply_rotary_pos_emb`, for the case it covers (non-interleaved
-RoPE over the whole head, `bshd` layout); every other case (packed `thd`, interleaved, partial
-rotary, multi-latent attention, a fused kernel asked for) goes to megatron-core's own function
+sin ([s, 1, 1, d]) as megatron's products do. Packed segments (megatron's `thd` layout) take
+each token's angle at its position within its segment, found on the device, where megatron
+copies the bounds to the host and splits the tensor segment by segment at every layer.
+`use_rotate_half_rope()` puts these where megatron's attention calls `apply_rotary_pos_emb`,
+for the cases they cover (non-interleaved RoPE over the whole head; `bshd`, or `thd` without
+context parallelism); every other case (interleaved, partial rotary, multi-latent attention,
+context-parallel packing, a fused kernel asked for) goes to megatron-core's own function
 unchanged.
 """
 
@@ -57,21 +60,44 @@ def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> tor
     return RotateHalf.apply(t, cos, sin)
 
 
+def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] the position of each packed token within its segment, from the segments'
+    bounds [n + 1] (which must end at `total`: checked on the device, no host
+    synchronisation)."""
+    torch._assert_async(cu_seqlens[-1] == total, "cu_seqlens must end at the packed length")
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    first = torch.repeat_interleave(starts, lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - first
+
+
+def apply_rope_packed(
+    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0
+) -> torch.Tensor:
+    """RoPE of packed segments, megatron's `thd` layout: t [T, n, d], each segment of
+    `cu_seqlens` at positions 0, 1, ... (what megatron-core's `_apply_rotary_pos_emb_thd`
+    computes without context parallelism, without its per-segment split and host copy of the
+    bounds); freqs [max segment length, 1, 1, d]."""
+    angles = freqs[segment_positions(cu_seqlens, t.shape[0])]  # [T, 1, 1, d]
+    return apply_rope(t.unsqueeze(1), angles, mscale).squeeze(1)
+
+
 def _rotary_pos_emb(megatron_fn):
-    """megatron's `apply_rotary_pos_emb` signature, taking the covered case itself."""
+    """megatron's `apply_rotary_pos_emb` signature, taking the covered cases itself."""
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
         covered = (
-            cu_seqlens is None
-            and not config.apply_rope_fusion
+            not config.apply_rope_fusion
             and not config.rotary_interleaved
             and not config.multi_latent_attention
-            and t.dim() == 4
             and freqs.shape[-1] == t.shape[-1]
             and t.shape[-1] % 2 == 0
         )
-        if covered:
+        if covered and cu_seqlens is None and t.dim() == 4:
             return apply_rope(t, freqs, mscale)
+        packed = cu_seqlens is not None and t.dim() == 3
+        if covered and packed and cp_group is not None and cp_group.size() == 1:
+            return apply_rope_packed(t, cu_seqlens, freqs, mscale)
         return megatron_fn(
             t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
         )

@@ -5,7 +5,13 @@ import types
 import pytest
 import torch
 
-from megatron_rl.models.rotary import RotateHalf, apply_rope, use_rotate_half_rope
+from megatron_rl.models.rotary import (
+    RotateHalf,
+    apply_rope,
+    apply_rope_packed,
+    segment_positions,
+    use_rotate_half_rope,
+)
 from tests.tolerances import BF16_MODEL, FP32_EXACT_ORDER, assert_close
 
 S, B, GROUPS, HEADS, D = 12, 3, 2, 4, 16
@@ -68,6 +74,38 @@ def test_bf16_within_bf16_rounding_of_fp32():
         assert_close(a.detach().float().cpu(), e.detach().cpu(), BF16_MODEL)
 
 
+def _no_context_parallelism():
+    return types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+
+
+def test_packed_segments_restart_their_positions():
+    bounds = torch.tensor([0, 3, 8, 10, 12], dtype=torch.int32, device=_device())
+    assert segment_positions(bounds, 12).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1]
+    with pytest.raises(RuntimeError):
+        segment_positions(bounds, 13)  # bounds that do not cover the tokens are refused
+
+
+def test_packed_equal_to_megatron_in_value_and_gradient():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    bounds = torch.tensor([0, 5, 7, S], dtype=torch.int32, device=_device())
+    freqs = _freqs()[:5]  # megatron's: as many positions as the longest segment
+    results = []
+    for rope in (
+        lambda t: apply_rope_packed(t, bounds, freqs, 0.7),
+        lambda t: _apply_rotary_pos_emb_thd(
+            t, bounds, freqs, mscale=0.7, cp_group=_no_context_parallelism()
+        ),
+    ):
+        mixed, q, _ = _qkv()
+        packed_q = q[:, 0]  # [T, heads, d]: one micro-batch's rows back to back
+        out = rope(packed_q)
+        (out * torch.arange(out.numel(), device=out.device).view_as(out).sin()).sum().backward()
+        results.append((out.detach().cpu(), mixed.grad.cpu()))
+    for a, e in zip(*results, strict=True):
+        assert_close(a, e, FP32_EXACT_ORDER)
+
+
 def test_the_rotation_is_a_rotation():
     """Each pair (x_i, x_{i+d/2}) turns by its angle: norms of the pairs are kept, and a
     position-0 token (angle 0) comes out unchanged."""
@@ -85,7 +123,12 @@ def _config(**changes):
 
 
 def _rotated_here(out) -> bool:
-    return type(out.grad_fn).__name__.startswith(RotateHalf.__name__)
+    """Whether `RotateHalf` made `out` (or what a view of it was taken from)."""
+    node = out.grad_fn
+    while node is not None and not type(node).__name__.startswith(RotateHalf.__name__):
+        view = type(node).__name__.startswith(("Squeeze", "Unsqueeze", "View"))
+        node = node.next_functions[0][0] if view else None
+    return node is not None
 
 
 def test_megatron_attention_routes_the_covered_case_here_and_the_rest_to_megatron():
@@ -98,14 +141,15 @@ def test_megatron_attention_routes_the_covered_case_here_and_the_rest_to_megatro
     assert rope.megatron_fn is rope_utils.apply_rotary_pos_emb
     _, q, _ = _qkv()
     freqs = _freqs()
-    cp = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # no context parallelism
-    assert _rotated_here(rope(q, freqs, config=_config(), cp_group=cp))
+    cp = _no_context_parallelism()
     packed = torch.tensor([0, 5, S], dtype=torch.int32, device=q.device)
+    assert _rotated_here(rope(q, freqs, config=_config(), cp_group=cp))
+    assert _rotated_here(rope(q[:, 0], freqs, config=_config(), cu_seqlens=packed, cp_group=cp))
     for config, t, f, cu_seqlens in [
         (_config(rotary_interleaved=True), q, freqs, None),
         (_config(multi_latent_attention=True), q, freqs, None),
         (_config(), q, _freqs(D // 2), None),  # partial rotary: part of the head left as it is
-        (_config(), q[:, 0], freqs, packed),  # packed sequences, megatron's `thd` layout
+        (_config(rotary_interleaved=True), q[:, 0], freqs, packed),
     ]:
         kwargs = dict(config=config, cu_seqlens=cu_seqlens, cp_group=cp)
         out = rope(t, f, **kwargs)
