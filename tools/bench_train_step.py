@@ -19,6 +19,10 @@ ratios of median step times compare them. `--memory` adds each arm's peak memory
 alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
 CPU, above what the process held before it built anything); `--apart` also takes the speeds
 from those children, for shapes where two models do not fit one device together.
+`--without linear rope` adds, per name, an arm `ppo_update_megatron_<name>`: the same update
+with that part put back to megatron-core's own function while the arm runs (`linear`:
+`models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE), and its
+`speed_ppo_over_megatron_<name>` (> 1: ours is faster).
 `--profile` adds one more step of each arm under torch.profiler: its costliest kernels
 printed, the kernels' summed time, their share of the step's wall time (how busy the GPU
 was) and the host's synchronisations.
@@ -30,10 +34,12 @@ utilisation (MFU) against the device's dense bf16 peak, and the ppo_update peak 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -157,6 +163,13 @@ def main(argv=None) -> None:
     )
     p.add_argument("--lora-rank", type=int, default=0, help="add the LoRA actor's update")
     p.add_argument(
+        "--without",
+        nargs="+",
+        default=[],
+        choices=sorted(MEGATRON_OWN),
+        help="add the update with these parts put back to megatron-core's own functions",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the timed steps, one more step of each arm under torch.profiler: its top "
@@ -165,6 +178,8 @@ def main(argv=None) -> None:
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child: one arm alone
     p.add_argument("--out", default="bench/results.jsonl")
     a = p.parse_args(argv)
+    if a.without and a.apart:
+        raise SystemExit("--without alternates with ppo_update in one process: not with --apart")
 
     arch = preset_arch(a.preset)
     layout = distributed.ParallelLayout(
@@ -187,6 +202,8 @@ def main(argv=None) -> None:
     if not a.apart or a.arm:
         batch = synthetic_batch(arch, sequences, a.seq_length, seed=ctx.dp_rank)
         arms = build_arms(names, arch, layout, a, to_device(batch, ctx.device))
+        if not a.arm:  # ours against ours with a part put back to megatron's
+            arms.update(without_arms(a.without, arms.get("ppo_update")))
         median = alternate(arms, a.steps, a.warmup)
         busy = {name: profiled(name, fn) for name, fn in arms.items()} if a.profile else {}
     if a.arm:  # a child: its time, and its peak above what the process held before the models
@@ -244,6 +261,10 @@ def main(argv=None) -> None:
         )
     if {"ppo_update", "plain_megatron"} <= set(median):
         result["ratio_ppo_over_plain"] = round(median["ppo_update"] / median["plain_megatron"], 4)
+    for part in a.without:
+        result[f"speed_ppo_over_megatron_{part}"] = round(
+            median[f"ppo_update_megatron_{part}"] / median["ppo_update"], 4
+        )
     if {"ppo_update", "peer_hf"} <= set(median):
         # tokens/s of ours over the peer's (> 1: ours is faster)
         result["speed_ppo_over_peer"] = round(median["peer_hf"] / median["ppo_update"], 4)
@@ -281,6 +302,55 @@ def build_arms(names, arch, layout, a, batch) -> dict:
     if "peer_hf" in names:
         arms["peer_hf"] = peer_step(a.preset, a.peer, batch, a.num_microbatches)
     return arms
+
+
+MEGATRON_OWN = {
+    "linear": (
+        "megatron.core.tensor_parallel.layers",
+        (
+            "linear_with_grad_accumulation_and_async_allreduce",
+            "linear_with_frozen_weight",
+            "copy_to_tensor_model_parallel_region",
+            "reduce_from_tensor_model_parallel_region",
+        ),
+    ),
+    "rope": ("megatron.core.transformer.attention", ("apply_rotary_pos_emb",)),
+}
+"""The parts `--without` can put back: where megatron looks each function up, and its names
+there (each our route, holding megatron's own as `.megatron_fn`)."""
+
+
+@contextmanager
+def megatron_own(part: str):
+    """Within: megatron-core's own functions in place of our routes of `part`."""
+    module_name, names = MEGATRON_OWN[part]
+    module = importlib.import_module(module_name)
+    routes = {name: getattr(module, name) for name in names}
+    missing = [name for name, fn in routes.items() if not hasattr(fn, "megatron_fn")]
+    if missing:
+        raise RuntimeError(f"--without {part}: {module_name}.{missing} is not routed")
+    try:
+        for name, fn in routes.items():
+            setattr(module, name, fn.megatron_fn)
+        yield
+    finally:
+        for name, fn in routes.items():
+            setattr(module, name, fn)
+
+
+def without_arms(parts, ppo_update) -> dict:
+    """`ppo_update_megatron_<part>`: the `ppo_update` arm's step within `megatron_own`."""
+    if parts and ppo_update is None:
+        raise SystemExit("--without compares with the ppo_update arm, which this run lacks")
+
+    def arm(part):
+        def step():
+            with megatron_own(part):
+                return ppo_update()
+
+        return step
+
+    return {f"ppo_update_megatron_{part}": arm(part) for part in parts}
 
 
 PROFILED = ("profiled_s", "kernel_s", "kernel_share", "host_syncs")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.attention import SDPAttention
+from megatron_rl.models.linear import use_plain_linear
 from megatron_rl.models.rope import yarn_inv_freq
 from megatron_rl.models.rotary import use_rotate_half_rope
 from megatron_rl.parallel.distributed import ParallelLayout
@@ -458,6 +459,7 @@ def build_gpt_model_chunks(
         use_transformer_engine, arch.qk_layernorm, arch.num_moe_experts or None, core_attention
     )
     use_rotate_half_rope()  # RoPE in three passes each way (`models/rotary.py`)
+    use_plain_linear()  # F.linear where a projection communicates nothing (`models/linear.py`)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:

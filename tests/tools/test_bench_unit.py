@@ -1,5 +1,7 @@
 """Unit tier: the benchmarks' own arithmetic (their runs: test_bench_distributed.py)."""
 
+import pytest
+
 
 def test_async_summary_takes_medians_after_the_warm_up_and_bounds_the_overlap():
     from tools.bench_async import ideal_ratio_k1, summary
@@ -57,3 +59,34 @@ def test_a_profiled_step_reports_its_wall_time_and_prints_its_costliest_operator
     # kernel time and host synchronisations exist on CUDA only: not invented on CPU
     assert set(out) == ({"profiled_s", "kernel_s", "kernel_share", "host_syncs"}
                         if torch.cuda.is_available() else {"profiled_s"})  # fmt: skip
+
+
+def test_megatron_own_puts_megatron_functions_back_within_and_ours_after():
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer import attention
+
+    from megatron_rl.models.linear import use_plain_linear
+    from megatron_rl.models.rotary import use_rotate_half_rope
+    from tools.bench_train_step import megatron_own, without_arms
+
+    use_plain_linear(), use_rotate_half_rope()
+    ours = layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb
+    seen = []
+
+    def update():
+        seen.append((layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb))
+
+    arms = without_arms(["linear", "rope"], update)
+    assert list(arms) == ["ppo_update_megatron_linear", "ppo_update_megatron_rope"]
+    for step in arms.values():
+        step()
+    assert seen == [(ours[0].megatron_fn, ours[1]), (ours[0], ours[1].megatron_fn)]
+    assert (layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb) == ours
+    layers.linear_with_frozen_weight = ours[0].megatron_fn  # not routed: refused by name
+    try:
+        with pytest.raises(RuntimeError, match="linear_with_frozen_weight"):
+            with megatron_own("linear"):
+                pass
+        assert layers.linear_with_frozen_weight is ours[0].megatron_fn  # nothing swapped
+    finally:
+        layers.linear_with_frozen_weight = ours[0]
