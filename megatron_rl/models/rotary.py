@@ -107,8 +107,8 @@ def _rotary_pos_emb(megatron_fn):
 
 
 def use_rotate_half_rope() -> bool:
-    """Route megatron-core's attention's RoPE through `apply_rope` where it covers the case
-    (above). Returns whether it is in place; idempotent."""
+    """Route megatron-core's attention's RoPE through `apply_rope` (or `apply_rope_packed`)
+    where it covers the case (above). Returns whether it is in place; idempotent."""
     # why: megatron-core takes seconds to import: loaded on first use
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
