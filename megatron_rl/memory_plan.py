@@ -20,7 +20,8 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
     runs without TE, on CPU and on GPU): per norm its input, normalised x and output (3h,
     plus the rstd); Q and K after RoPE, the fused QKV output (V is a view of it), the
     attention's output and the context (3q + 3kv) and its fp32 log-sum-exp (a per token);
-    fc1 output (2f) and three f-sized tensors of the SwiGLU; per layer the fp32 RoPE tables.
+    fc1 output (2f), all the SwiGLU saves (`models/swiglu.py`), and its product, fc2's input
+    (f); per layer the fp32 RoPE tables.
     No s^2 term. Within 2% of saved-tensor hooks on a real actor (`tools/plan_memory.py
     --check-cpu`, tests/tools/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
@@ -371,7 +372,7 @@ def layer_activation_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> d
     return {
         "norms": (6 * h + 2) / sp,  # per norm: input, rstd, x * rstd, output
         "attention": _local_attention_elements(arch, c),
-        "mlp": 5 * f / tp,  # fc1 output 2f, SwiGLU: linear half, silu, product
+        "mlp": 3 * f / tp,  # fc1 output 2f (the SwiGLU's input), its product f
     }
 
 
@@ -450,18 +451,26 @@ def layers_in_flight(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
 
 
 def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
-    """Last stage: the final norm, and for the policy what the chunked log-probs keep for
-    backward (`parallel.vocab.chunked_logprobs_entropy`): the whole sequence's hidden
-    states, the labels (int64) and each token's fp32 log-sum-exp and entropy; never the
-    logits (`head_workspace_bytes`)."""
+    """Last stage: the final norm, the head's input (the whole sequence's hidden states),
+    and for the policy what the chunked log-probs keep for backward besides
+    (`parallel.vocab.chunked_logprobs_entropy`): the labels (int64) and each token's fp32
+    log-sum-exp and entropy; never the logits (`head_workspace_bytes`)."""
     tp = c.tensor_model_parallel_size
     sp = tp if c.sequence_parallel else 1
     tokens = c.micro_batch_tokens
     h = arch.hidden_size
     width = _bytes_per_element(c)
-    norm = (2 * h if c.profile == "te" else 3 * h + 1) / sp * width
-    policy = h * width + 8 + 2 * 4 if role != "critic" else 0
-    return int(tokens * (norm + policy))
+    # `local`: the norm keeps its input, rstd and x * rstd; the head (log-probs or value)
+    # keeps the norm's output as its input, or with sequence parallelism the gathered copy
+    # (h per token; then nothing keeps the norm's own output)
+    if c.profile == "te":
+        norm, hidden = 2 * h / sp, h
+    elif sp > 1:
+        norm, hidden = (2 * h + 1) / sp, h
+    else:
+        norm, hidden = 3 * h + 1, 0
+    policy = 8 + 2 * 4 if role != "critic" else 0  # labels (int64), log-sum-exp, entropy
+    return int(tokens * ((norm + hidden) * width + policy))
 
 
 def head_workspace_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:

@@ -19,9 +19,10 @@ ratios of median step times compare them. `--memory` adds each arm's peak memory
 alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
 CPU, above what the process held before it built anything); `--apart` also takes the speeds
 from those children, for shapes where two models do not fit one device together.
-`--without linear rope` adds, per name, an arm `ppo_update_megatron_<name>`: the same update
-with that part put back to megatron-core's own function while the arm runs (`linear`:
-`models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE), and its
+`--without linear rope swiglu` adds, per name, an arm `ppo_update_megatron_<name>`: the same
+update with that part put back to megatron-core's own function while the arm runs
+(`linear`: `models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE;
+`swiglu`: `models/swiglu.py`'s activation, against megatron's unfused one), and its
 `speed_ppo_over_megatron_<name>` (> 1: ours is faster).
 `--profile` adds one more step of each arm under torch.profiler: its costliest kernels
 printed, the kernels' summed time, their share of the step's wall time (how busy the GPU
@@ -315,9 +316,20 @@ MEGATRON_OWN = {
         ),
     ),
     "rope": ("megatron.core.transformer.attention", ("apply_rotary_pos_emb",)),
+    "swiglu": ("megatron.core.transformer.mlp", ("bias_swiglu_impl",)),
 }
 """The parts `--without` can put back: where megatron looks each function up, and its names
 there (each our route, holding megatron's own as `.megatron_fn`)."""
+
+
+def _megatron_glu(input, bias, fp8_input_store=False, cpu_offload_input=False):  # noqa: A002
+    """What megatron's MLP computes without activation fusion (its `glu`, offset 0), in
+    place of its fused kernel, which compiles (`torch.compile`) on first use."""
+    x_glu, x_linear = torch.chunk(input if bias is None else input + bias, 2, dim=-1)
+    return torch.nn.functional.silu(x_glu) * (x_linear + 0.0)
+
+
+UNFUSED = {"bias_swiglu_impl": _megatron_glu}
 
 
 @contextmanager
@@ -331,7 +343,7 @@ def megatron_own(part: str):
         raise RuntimeError(f"--without {part}: {module_name}.{missing} is not routed")
     try:
         for name, fn in routes.items():
-            setattr(module, name, fn.megatron_fn)
+            setattr(module, name, UNFUSED.get(name, fn.megatron_fn))
         yield
     finally:
         for name, fn in routes.items():

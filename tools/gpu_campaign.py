@@ -138,8 +138,9 @@ def parts(work: Path) -> list[Part]:
              needs=("pytest", *MEGATRON)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and
-        # ours against ours with megatron-core's own linears, then its own RoPE, alternating
-        Part("train_step_bf16", (*train_step, "--memory", "--without", "linear", "rope", *results),
+        # ours against ours with megatron-core's own linears, RoPE or activation, alternating
+        Part("train_step_bf16",
+             (*train_step, "--memory", "--without", "linear", "rope", "swiglu", *results),
              needs=MEGATRON + PEER),
         # the LoRA actor's update (rank 16 on every linear) beside the full one, same shape
         Part("train_step_lora", (*train_step, "--lora-rank", "16", "--memory", *results),

@@ -27,6 +27,7 @@ from megatron_rl.models.attention import SDPAttention
 from megatron_rl.models.linear import use_plain_linear
 from megatron_rl.models.rope import yarn_inv_freq
 from megatron_rl.models.rotary import use_rotate_half_rope
+from megatron_rl.models.swiglu import use_fused_swiglu
 from megatron_rl.parallel.distributed import ParallelLayout
 
 
@@ -282,6 +283,9 @@ def transformer_config(
     if use_transformer_engine is None:
         use_transformer_engine = transformer_engine_available()
     interleaved = layout.virtual_pipeline_model_parallel_size is not None
+    # SwiGLU saving fc1's output alone (`models/swiglu.py`), through megatron's fused-activation
+    # call; a MoE's experts would take megatron's compiled weighted kernel there instead
+    fused_swiglu = not arch.is_moe and use_fused_swiglu()
     fp8 = {}
     if precision.fp8 is not None:
         fp8 = dict(
@@ -323,7 +327,8 @@ def transformer_config(
         bf16=precision.bf16,
         use_cpu_initialization=not on_gpu,
         # Fusions need apex/TE/CUDA kernels; off keeps one code path on CPU and GPU alike.
-        bias_activation_fusion=False,
+        # The activation's is ours (above), on CPU and GPU alike.
+        bias_activation_fusion=fused_swiglu,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,

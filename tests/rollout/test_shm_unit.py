@@ -4,12 +4,13 @@ killed run left behind."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 import sys
 from multiprocessing import resource_tracker, shared_memory
 
-from megatron_rl.rollout.shm import ShmRecord, mapped_shm_files
+from megatron_rl.rollout.shm import ShmRecord, mapped_shm_files, unlink_cpu_shm
 
 
 def test_a_killed_runs_files_are_removed_at_the_next_start(tmp_path):
@@ -65,3 +66,29 @@ def test_a_live_runs_files_are_kept_and_cleaned_up_on_exit(tmp_path):
     finally:
         held.close()
         held.unlink()
+
+
+def test_the_vllm_cpu_communicator_files_this_process_maps_are_unlinked_after_shutdown():
+    def shm_file(name: str, mapped: bool):
+        path = f"/dev/shm/{name}"
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+        if not mapped:
+            return path, None
+        with open(path, "r+b") as f:
+            return path, mmap.mmap(f.fileno(), 4096)
+
+    tag = f"mrltest{os.getpid()}"
+    ours, ours_map = shm_file(f"job1-2-{tag}-cpushm_0", mapped=True)
+    other_job, _ = shm_file(f"job3-4-{tag}-cpushm_0", mapped=False)  # not mapped here
+    not_vllms, not_vllms_map = shm_file(f"{tag}-queue", mapped=True)
+    try:
+        assert unlink_cpu_shm() == [ours]
+        assert not os.path.exists(ours) and os.path.exists(other_job)
+        assert os.path.exists(not_vllms)
+        ours_map[0] = 1  # the mapping outlives the name
+    finally:
+        ours_map.close(), not_vllms_map.close()
+        for path in (ours, other_job, not_vllms):
+            if os.path.exists(path):
+                os.unlink(path)

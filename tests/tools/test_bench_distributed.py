@@ -30,6 +30,7 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         "--without",
         "linear",
         "rope",
+        "swiglu",
         "--out",
         str(out),
     ]
@@ -44,7 +45,7 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         result["ppo_update_lora_s"] / result["ppo_update_s"], rel=0.03
     )
     assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
-    for part in ("linear", "rope"):  # the update with megatron-core's own functions beside it
+    for part in ("linear", "rope", "swiglu"):  # the update with megatron-core's own beside it
         assert result[f"speed_ppo_over_megatron_{part}"] == pytest.approx(
             result[f"ppo_update_megatron_{part}_s"] / result["ppo_update_s"], rel=0.03
         )

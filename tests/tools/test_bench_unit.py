@@ -62,26 +62,38 @@ def test_a_profiled_step_reports_its_wall_time_and_prints_its_costliest_operator
 
 
 def test_megatron_own_puts_megatron_functions_back_within_and_ours_after():
+    import torch
     from megatron.core.tensor_parallel import layers
-    from megatron.core.transformer import attention
+    from megatron.core.transformer import attention, mlp
 
     from megatron_rl.models.linear import use_plain_linear
     from megatron_rl.models.rotary import use_rotate_half_rope
-    from tools.bench_train_step import megatron_own, without_arms
+    from megatron_rl.models.swiglu import swiglu, use_fused_swiglu
+    from tools.bench_train_step import _megatron_glu, megatron_own, without_arms
 
-    use_plain_linear(), use_rotate_half_rope()
-    ours = layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb
+    use_plain_linear(), use_rotate_half_rope(), use_fused_swiglu()
+
+    def looked_up():
+        return (
+            layers.linear_with_frozen_weight,
+            attention.apply_rotary_pos_emb,
+            mlp.bias_swiglu_impl,
+        )
+
+    ours = looked_up()
     seen = []
-
-    def update():
-        seen.append((layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb))
-
-    arms = without_arms(["linear", "rope"], update)
-    assert list(arms) == ["ppo_update_megatron_linear", "ppo_update_megatron_rope"]
+    arms = without_arms(["linear", "rope", "swiglu"], lambda: seen.append(looked_up()))
+    assert list(arms) == [f"ppo_update_megatron_{p}" for p in ("linear", "rope", "swiglu")]
     for step in arms.values():
         step()
-    assert seen == [(ours[0].megatron_fn, ours[1]), (ours[0], ours[1].megatron_fn)]
-    assert (layers.linear_with_frozen_weight, attention.apply_rotary_pos_emb) == ours
+    assert seen == [
+        (ours[0].megatron_fn, ours[1], ours[2]),
+        (ours[0], ours[1].megatron_fn, ours[2]),
+        (ours[0], ours[1], _megatron_glu),  # megatron's unfused activation, not its compiled one
+    ]
+    assert looked_up() == ours
+    x = torch.randn(3, 2, 8)
+    torch.testing.assert_close(_megatron_glu(x, None), swiglu(x), rtol=0, atol=0)
     layers.linear_with_frozen_weight = ours[0].megatron_fn  # not routed: refused by name
     try:
         with pytest.raises(RuntimeError, match="linear_with_frozen_weight"):

@@ -143,6 +143,7 @@ def main():
             },
             a.out,
         )
+    engine.shutdown()
     distributed.destroy()
 
 
