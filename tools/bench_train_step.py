@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.models import linear as linear_routes
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.lm_head import emit_hidden_states
@@ -306,15 +307,7 @@ def build_arms(names, arch, layout, a, batch) -> dict:
 
 
 MEGATRON_OWN = {
-    "linear": (
-        "megatron.core.tensor_parallel.layers",
-        (
-            "linear_with_grad_accumulation_and_async_allreduce",
-            "linear_with_frozen_weight",
-            "copy_to_tensor_model_parallel_region",
-            "reduce_from_tensor_model_parallel_region",
-        ),
-    ),
+    "linear": ("megatron.core.tensor_parallel.layers", linear_routes.ROUTED),
     "rope": ("megatron.core.transformer.attention", ("apply_rotary_pos_emb",)),
     "swiglu": ("megatron.core.transformer.mlp", ("bias_swiglu_impl",)),
 }

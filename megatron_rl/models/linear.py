@@ -77,6 +77,8 @@ _ROUTES = {
     "copy_to_tensor_model_parallel_region": _identity_on_one_rank,
     "reduce_from_tensor_model_parallel_region": _identity_on_one_rank,
 }
+ROUTED = tuple(_ROUTES)
+"""The names in `megatron.core.tensor_parallel.layers` that `use_plain_linear` routes."""
 
 
 def use_plain_linear() -> bool:
@@ -90,4 +92,4 @@ def use_plain_linear() -> bool:
         fn = getattr(layers, name)
         if not hasattr(fn, "megatron_fn"):
             setattr(layers, name, route(fn))
-    return all(hasattr(getattr(layers, name), "megatron_fn") for name in _ROUTES)
+    return all(hasattr(getattr(layers, name), "megatron_fn") for name in ROUTED)
