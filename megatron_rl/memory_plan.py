@@ -34,9 +34,10 @@ layer's input and recomputes one layer at a time; selective recompute (megatron'
 `core_attn`) drops the attention core's saved tensors but its inputs and output, which with
 fused attention (no s x s scores) saves nothing.
 The policy's last stage never holds the [micro-batch, seq, vocab/TP] logits: log-probs and
-entropy are made chunk by chunk and recomputed in backward (`megatron_rl.parallel.vocab`); it
-keeps the hidden states, and one chunk's fp32 logits and three tensors their size are alive
-at once in backward (`head_workspace_bytes`, in the plan's activations).
+entropy are made a tile (tokens x vocabulary rows) at a time and recomputed in backward
+(`megatron_rl.parallel.vocab`); it keeps the hidden states, and in backward one tile's fp32
+logits, three tensors their size and the projection's fp32 gradient are alive at once
+(`head_workspace_bytes`, in the plan's activations).
 
 vLLM colocated: it takes `gpu_memory_utilization` of the GPU during generation (its weights,
 then KV cache); in sleep mode (level 1) it holds nothing during training. Not modelled: the
@@ -61,12 +62,10 @@ from megatron_rl.models.presets import (
     lora_layer_param_count,
     param_count,
 )
+from megatron_rl.parallel.tiles import tile_shape
 from megatron_rl.rollout.replica import RolloutLayout
 
 GiB = 2**30
-LOGPROB_CHUNK_ELEMENTS = 2**26
-"""`megatron_rl.parallel.vocab.CHUNK_ELEMENTS` (a test keeps them equal; this module
-imports no torch)."""
 RECOMPUTE = (None, "selective", "full")
 PROFILES = ("te", "local")
 OFFLOADABLE = {
@@ -474,16 +473,27 @@ def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
 
 
 def head_workspace_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
-    """The policy's transient at its last stage's backward: one chunk of fp32 logits and
-    the three tensors of its size made from them (probabilities, their log, the gradient);
-    a chunk is `LOGPROB_CHUNK_ELEMENTS` or the micro-batch (`parallel.vocab`)."""
+    """The policy's transient at its last stage's backward (`parallel.vocab`): one tile of
+    fp32 logits and the three tensors of its size made from them (probabilities, their log,
+    the gradient), with several blocks of rows in bf16 the fp32 sum of the hidden states'
+    gradient for one block of tokens, and the projection's fp32 gradient [V/tp, h] (unless
+    frozen under LoRA), rounded to the weight's dtype once the tiles are done (a copy of its
+    own in bf16). A tile is `parallel.tiles.tile_shape`'s."""
     if role == "critic":
         return 0
     local_vocab = (
         arch.padded_vocab_size(c.tensor_model_parallel_size) // c.tensor_model_parallel_size
     )
-    chunk = min(c.micro_batch_tokens, max(1, LOGPROB_CHUNK_ELEMENTS // local_vocab))
-    return 4 * 4 * chunk * local_vocab
+    tokens, rows = tile_shape(c.micro_batch_tokens, local_vocab)
+    tokens = min(tokens, c.micro_batch_tokens)
+    h, width = arch.hidden_size, _bytes_per_element(c)
+    tiles = 4 * 4 * tokens * rows
+    if rows < local_vocab and width < 4:
+        tiles += 4 * tokens * h
+    if c.lora_rank:
+        return tiles
+    rounded = local_vocab * h * width if width < 4 else 0
+    return 4 * local_vocab * h + max(tiles, rounded)
 
 
 def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:

@@ -299,12 +299,13 @@ def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
 def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     single_rank, entropy_in_loss
 ):
-    """The chunked head in bf16 on CUDA (its backward's maths compiled where Triton is, the
-    GEMMs writing fp32) against the full logits in fp32 of the same bf16 inputs, and
-    at most twice as far from them as whole bf16 logits, the unchunked head, are."""
+    """The tiled head in bf16 on CUDA (its backward's maths compiled where Triton is, the
+    GEMMs writing fp32; tiles of 64 tokens x 300 rows: four blocks of rows) against the full
+    logits in fp32 of the same bf16 inputs, and at most twice as far from them as whole bf16
+    logits, the unchunked head, are."""
     from torch.utils._triton import has_triton
 
-    from megatron_rl.parallel import vocab_fused
+    from megatron_rl.parallel import vocab, vocab_fused
     from megatron_rl.parallel.vocab import (
         chunked_logprobs_entropy,
         vocab_parallel_entropy,
@@ -313,6 +314,8 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
 
     distributed.initialize(distributed.ParallelLayout())
     assert (vocab_fused.compiled_grad("cuda") is not None) == has_triton()
+    # the gradients' GEMMs sum into fp32 accumulators in place (else: a bf16 product cast)
+    assert vocab._fp32_gemm("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     vocab, padded, hidden_size, n = 1000, 1024, 64, 300
     hidden = torch.randn(n, hidden_size, generator=g).cuda().bfloat16()
@@ -323,7 +326,7 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     def run(how: str):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if how == "chunked":
-            lp, ent = chunked_logprobs_entropy(h, w, labels, vocab, 0.8, chunk=64)
+            lp, ent = chunked_logprobs_entropy(h, w, labels, vocab, 0.8, tile=(64, 300))
         else:
             logits = h.float() @ w.float().t() if how == "fp32" else h @ w.t()
             lp = vocab_parallel_logprobs(logits, labels, vocab, 0.8)

@@ -1,6 +1,6 @@
 """The policy's output layer without logits: the last pipeline stage returns the hidden
 states the vocabulary projection would read, and the roles compute log-probs and entropy
-from them chunk by chunk (`parallel.vocab.chunked_logprobs_entropy`), so the [tokens, V/tp]
+from them a tile at a time (`parallel.vocab.chunked_logprobs_entropy`), so the [tokens, V/tp]
 logits of a whole micro-batch never exist. At a 152k vocabulary they are the largest tensor
 of a step: 2.4 GB in fp32 for one 4k-token sequence, several copies alive in backward.
 

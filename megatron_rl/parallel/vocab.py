@@ -21,6 +21,7 @@ import functools
 import torch
 
 from megatron_rl.parallel import vocab_fused
+from megatron_rl.parallel.tiles import tile_shape
 
 
 def _tp():
@@ -95,63 +96,69 @@ def vocab_parallel_entropy(
     return torch.log(s) + m.squeeze(-1) - t / s
 
 
-# Elements of one [tokens, V/tp] fp32 chunk of logits (256 MiB; backward holds about four such
-# tensors at once): a 152k vocabulary at TP1 is 441 tokens a chunk, a GEMM still large enough
-# to run at full speed; a small vocabulary takes a whole micro-batch in one chunk.
-CHUNK_ELEMENTS = 2**26
-
-
-def chunk_tokens(local_vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits hold `chunk_elements` elements."""
-    return max(1, chunk_elements // local_vocab)
+def _rescaled(m, s, d, top):
+    """A slice's sums (s = sum exp(l - m), d = sum exp(l - m) (l - m)) taken relative to the
+    larger max `top` instead of its own m: terms to add to other slices' at that max."""
+    scale = torch.exp(m - top)  # 0 for a slice with no rows (m = -inf)
+    shift = torch.where(s > 0, m - top, 0.0)  # -inf * 0 would be NaN
+    return scale * s, scale * (d + shift * s)
 
 
 class _ChunkedLogProbsEntropy(torch.autograd.Function):
-    """Log-probs of labels and entropy of softmax(hidden @ W^T / T), chunk by chunk over
-    tokens, never holding more than one chunk's [C, V/tp] logits: forward keeps only the
-    per-token log-sum-exp and entropy, backward recomputes each chunk's logits (Liger's fused
-    linear cross-entropy, Hsu et al. 2024, extended to entropy and vocabulary parallelism).
+    """Log-probs of labels and entropy of softmax(hidden @ W^T / T), tile by tile over tokens
+    and vocabulary rows, never holding more than one tile's [C, R] logits: forward keeps only
+    the per-token log-sum-exp and entropy, backward recomputes each tile's logits (Liger's
+    fused linear cross-entropy, Hsu et al. 2024, extended to entropy, vocabulary blocks and
+    vocabulary parallelism; `tile_shape` says why tiles, not token chunks).
 
     With l the tempered logits, m = max l, s = sum exp(l - m), d = sum exp(l - m) (l - m):
       log-sum-exp = m + log s;   H = -sum p log p = log s - d / s;
       d log p(y) / d l = onehot(y) - p;   d H / d l = -p * (log p + H).
-    Both terms of H are >= 0 (s >= 1, d <= 0): no cancellation. Under TP each rank sums its
-    slice's s and d, rescaled to the global max, in one all-reduce. Backward needs no
-    collective once the log-sum-exp is the global one: the hidden states' gradient is this
-    slice's partial sum, reduced over TP by whatever made `hidden` (`models/lm_head.py`), as
+    Both terms of H are >= 0 (s >= 1, d <= 0): no cancellation. Blocks of rows, and under TP
+    the ranks' slices, each sum s and d at their own max; the sums are rescaled to the larger
+    max and added (`_rescaled`), the ranks' in one all-reduce. Backward needs no collective
+    once the log-sum-exp is the global one: the hidden states' gradient is this slice's
+    partial sum, reduced over TP by whatever made `hidden` (`models/lm_head.py`), as
     megatron's output layer does. Vocabulary padding (megatron pads to a multiple of 128 x TP)
     is left out of the product, so it takes no probability mass and gets no gradient.
 
-    Elementwise passes over a chunk's logits, not its GEMMs, are what such a head costs on a
-    GPU (a [C, V] fp32 pass moves 4 C V bytes; the GEMM's FLOPs per byte are ~hidden / 2), so
-    each chunk takes as few as the maths allows: forward max, shift, exp, a sum, and a
+    Elementwise passes over a tile's logits, not its GEMMs, are what such a head costs on a
+    GPU (a [C, R] fp32 pass moves 4 C R bytes; the GEMM's FLOPs per byte are ~hidden / 2), so
+    each tile takes as few as the maths allows: forward max, shift, exp, a sum, and a
     product in place and its sum; backward shift, one multiply-add, exp and one multiply
     written straight in the weight's dtype, or on CUDA the same maths compiled into one pass
-    (`vocab_fused`). On CUDA the GEMMs write fp32 themselves and the projection's gradient
-    accumulates in fp32 inside the GEMM (`_fp32_gemm`).
+    (`vocab_fused`). Both gradients accumulate in fp32 (inside the GEMM on CUDA: `_gemm_into`)
+    and are rounded to the weight's dtype once.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, temperature, chunk):
+    def forward(ctx, hidden, weight, labels, vocab_size, temperature, tile):
         rank, tp_size, group = _tp()
         ctx.full_rows = weight.shape[0]
         first = rank * weight.shape[0]
         weight = weight[: max(0, min(weight.shape[0], vocab_size - first))]  # real rows only
-        n = hidden.shape[0]
+        n, rows = hidden.shape[0], weight.shape[0]
+        chunk, block = tile
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(lse)
         target = torch.empty_like(lse)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
+            h, local_labels = hidden[start:end], labels[start:end] - first
             m, s, d, picked = _chunk_sums(
-                _chunk_logits(hidden[start:end], weight, temperature), labels[start:end] - first
+                _chunk_logits(h, weight[:block], temperature), local_labels
             )
+            for row in range(block, rows, block):  # the other blocks of rows, merged
+                m2, s2, d2, picked2 = _chunk_sums(
+                    _chunk_logits(h, weight[row : row + block], temperature), local_labels - row
+                )
+                top = torch.maximum(m, m2)
+                (s, d), (s2, d2) = _rescaled(m, s, d, top), _rescaled(m2, s2, d2, top)
+                m, s, d, picked = top, s + s2, d + d2, picked + picked2
             if tp_size > 1:  # every slice's sums, rescaled to the global max
                 top = m.clone()
                 torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-                scale = torch.exp(m - top)  # 0 on a rank holding only padding (m = -inf)
-                shift = torch.where(s > 0, m - top, 0.0)  # -inf * 0 would be NaN
-                sums = torch.stack([scale * s, scale * (d + shift * s), picked])
+                sums = torch.stack([*_rescaled(m, s, d, top), picked])
                 torch.distributed.all_reduce(sums, group=group)
                 m, (s, d, picked) = top, sums
             log_s = torch.log(s)
@@ -159,62 +166,75 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             entropy[start:end] = log_s - d / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
-        ctx.temperature, ctx.chunk, ctx.first = temperature, chunk, first
+        ctx.temperature, ctx.tile, ctx.first = temperature, tile, first
         return target - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
-        rows, first, t = weight.shape[0], ctx.first, ctx.temperature
+        (rows, h_size), first, t = weight.shape, ctx.first, ctx.temperature
+        chunk, block = ctx.tile
+        n = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        # fp32, padding rows included (they get no gradient), rounded to the weight's dtype once
         grad_weight = (
-            torch.zeros(rows, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            torch.zeros(ctx.full_rows, h_size, dtype=torch.float32, device=hidden.device)
             if ctx.needs_input_grad[1]
             else None
         )
         if rows > 0 and (grad_logprobs is not None or grad_entropy is not None):
             fused = vocab_fused.compiled_grad(hidden.device.type)
-            for start in range(0, hidden.shape[0], ctx.chunk):
-                end = min(start + ctx.chunk, hidden.shape[0])
-                h = hidden[start:end]
+            # the hidden states' gradient summed over blocks of rows: in fp32 where they are not
+            summed = grad_hidden is not None and rows > block and hidden.dtype != torch.float32
+            acc = hidden.new_empty(min(chunk, n), h_size, dtype=torch.float32) if summed else None
+            for start in range(0, n, chunk):
+                end = min(start + chunk, n)
+                h, local_labels = hidden[start:end], labels[start:end] - first
                 g_lp = None if grad_logprobs is None else grad_logprobs[start:end] / t
                 g_h = None if grad_entropy is None else grad_entropy[start:end] / t
                 if fused is not None:
                     zeros = entropy.new_zeros(end - start)
-                    grad = fused(
-                        _chunk_logits(h, weight, 1.0),
-                        lse[start:end],
-                        zeros if g_lp is None else g_lp,
-                        zeros if g_h is None else g_h,
-                        entropy[start:end],
-                        labels[start:end] - first,
-                        t,
-                        weight.dtype,
-                    )
-                else:
-                    grad = _chunk_logits_grad(
-                        _chunk_logits(h, weight, t).sub_(lse[start:end, None]),  # log p
-                        g_lp,
-                        g_h,
-                        entropy[start:end],
-                        labels[start:end] - first,
-                        weight.dtype,
-                    )
+                    g_lp, g_h = (zeros if g is None else g for g in (g_lp, g_h))
+                into = None
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = grad @ weight
-                if grad_weight is not None:
-                    grad_weight = _accumulate_fp32(grad_weight, grad.t(), h)
+                    into = acc[: end - start] if summed else grad_hidden[start:end]
+                for row in range(0, rows, block):
+                    w = weight[row : row + block]
+                    if fused is not None:
+                        grad = fused(
+                            _chunk_logits(h, w, 1.0),
+                            lse[start:end],
+                            g_lp,
+                            g_h,
+                            entropy[start:end],
+                            local_labels - row,
+                            t,
+                            weight.dtype,
+                        )
+                    else:
+                        grad = _chunk_logits_grad(
+                            _chunk_logits(h, w, t).sub_(lse[start:end, None]),  # log p
+                            g_lp,
+                            g_h,
+                            entropy[start:end],
+                            local_labels - row,
+                            weight.dtype,
+                        )
+                    if into is not None:
+                        _gemm_into(into, grad, w, accumulate=row > 0)
+                    if grad_weight is not None:
+                        _gemm_into(grad_weight[row : row + w.shape[0]], grad.t(), h, start > 0)
+                if summed:
+                    grad_hidden[start:end] = into
         if grad_weight is not None:
-            # padding rows of the projection get no gradient
-            grad_weight = torch.nn.functional.pad(grad_weight, (0, 0, 0, ctx.full_rows - rows))
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunk_sums(logits, local_labels):
-    """Over this rank's slice of one chunk's fp32 logits [C, V'] (consumed): the max m, s =
-    sum exp(l - m), d = sum exp(l - m) (l - m) and each label's logit where the slice holds it
-    (else 0), each [C]."""
+    """Over one tile of fp32 logits [C, R] (consumed): the max m, s = sum exp(l - m),
+    d = sum exp(l - m) (l - m) and each label's logit where the tile's rows hold it (else 0),
+    each [C]."""
     c, rows = logits.shape
     if rows == 0:  # a rank holding only vocabulary padding
         zeros = logits.new_zeros(c)
@@ -262,21 +282,23 @@ def _chunk_logits_grad(log_p, g_lp, g_h, entropy, local_labels, dtype):
 
 @functools.cache
 def _fp32_gemm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a GEMM of `dtype` inputs can write fp32 (`torch.mm(..., out_dtype=)`: CUDA
-    only, bf16 / fp16). Probed once: a torch without it takes the cast instead."""
+    """Whether a GEMM of `dtype` inputs can write fp32 into a given tensor, summing into it
+    (`torch.mm` / `torch.addmm` with `out_dtype=` and `out=`: CUDA only, bf16 / fp16).
+    Probed once: a torch without it takes the cast instead."""
     if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     try:
         a = torch.ones(2, 2, dtype=dtype, device=device_type)
-        torch.mm(a, a, out_dtype=torch.float32)
-        torch.addmm(torch.zeros(2, 2, device=device_type), a, a, out_dtype=torch.float32)
+        out = torch.zeros(2, 2, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32, out=out)
+        torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+        return bool((out == 4).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
-    return True
 
 
 def _chunk_logits(hidden, weight, temperature: float) -> torch.Tensor:
-    """fp32 tempered logits [C, V'] of one chunk over this rank's real vocabulary rows."""
+    """fp32 tempered logits [C, R] of one tile: these tokens over these vocabulary rows."""
     if _fp32_gemm(hidden.device.type, hidden.dtype):
         logits = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     else:
@@ -284,13 +306,23 @@ def _chunk_logits(hidden, weight, temperature: float) -> torch.Tensor:
     return logits if temperature == 1.0 else logits.div_(temperature)
 
 
-def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b, acc fp32: summed inside the GEMM where it can write fp32."""
-    if a.dtype == torch.float32:
-        return acc.addmm_(a, b)
-    if _fp32_gemm(a.device.type, a.dtype):
-        return torch.addmm(acc, a, b, out_dtype=torch.float32)
-    return acc.add_((a @ b).float())
+def _gemm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """out = a @ b, or out += a @ b with `accumulate`, in place in out's dtype: an fp32 `out`
+    of bf16 / fp16 products is summed inside the GEMM where it can write fp32."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            torch.addmm(out, a, b, out=out)
+        else:
+            torch.mm(a, b, out=out)
+    elif _fp32_gemm(a.device.type, a.dtype):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
 
 
 def chunked_logprobs_entropy(
@@ -299,11 +331,11 @@ def chunked_logprobs_entropy(
     labels: torch.Tensor,
     vocab_size: int,
     temperature: float = 1.0,
-    chunk: int | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(labels), entropy) under softmax(hidden @ weight^T / temperature), without ever
-    materialising the [tokens, V/tp] logits: `chunk` tokens at a time (default: one chunk's
-    fp32 logits are `CHUNK_ELEMENTS`), recomputed in backward.
+    materialising the [tokens, V/tp] logits: a tile of (tokens, vocabulary rows) at a time
+    (default `tiles.tile_shape`: `TILE_ELEMENTS` fp32 logits), recomputed in backward.
 
     hidden: [..., h] (the output layer's input, whole sequence, in the weight's dtype);
     weight: [V/tp, h] this TP rank's vocabulary slice; labels: [...] ids < vocab_size.
@@ -312,14 +344,15 @@ def chunked_logprobs_entropy(
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    if tile is not None and min(tile) < 1:
+        raise ValueError(f"a tile of the chunked head is (tokens, rows) >= 1, got {tile}")
     shape = labels.shape
-    chunk = chunk or chunk_tokens(weight.shape[0])
     logprobs, entropy = _ChunkedLogProbsEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype),
         weight,
         labels.reshape(-1),
         vocab_size,
         temperature,
-        chunk,
+        tile or tile_shape(labels.numel(), weight.shape[0]),
     )
     return logprobs.view(shape), entropy.view(shape)

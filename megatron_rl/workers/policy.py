@@ -41,7 +41,7 @@ def token_logprobs_entropy(
     """The last stage's hidden states ([B, S, h], or [1, T, h] packed) and the vocab-sharded
     projection [V/tp, h] -> the log-probs [B, S] of each token of `mb` given its prefix and
     the entropy of the distribution it was drawn from, aligned to tokens, under
-    softmax(logits / temperature); the logits are made chunk by chunk and never whole
+    softmax(logits / temperature); the logits are made a tile at a time and never whole
     (`parallel.vocab.chunked_logprobs_entropy`)."""
     if mb.packing is not None:
         labels = mb.packing.next_tokens()
@@ -62,7 +62,7 @@ def _policy_chunks(model: RoleModel) -> list:
         ModelSource(model.model_path).load_policy(chunks, model.arch)
     if model.lora is not None and model.lora.enabled:  # on the loaded base, before DDP
         apply_lora(chunks, model.lora)
-    emit_hidden_states(chunks)  # the losses make logits chunk by chunk (models/lm_head.py)
+    emit_hidden_states(chunks)  # the losses make logits a tile at a time (models/lm_head.py)
     return chunks
 
 

@@ -1,4 +1,4 @@
-"""Distributed tier: log-probs and entropy made chunk by chunk from hidden states never hold
+"""Distributed tier: log-probs and entropy made tile by tile from hidden states never hold
 the [tokens, V/tp] logits, and equal those of the full vocab-parallel logits in value and in
 both gradients (hidden states, projection) at TP2 and TP1."""
 
@@ -35,12 +35,12 @@ def test_chunked_equals_full_logits(results, layout, rank, case):
 
 def test_tp2_ranks_hold_different_vocabulary_slices(results):
     """At TP2 each rank's projection gradient is its own slice's (not a copy of one)."""
-    a = results["tp2", 0]["one_token_chunks"]["chunked"]["grad_weight"]
-    b = results["tp2", 1]["one_token_chunks"]["chunked"]["grad_weight"]
+    a = results["tp2", 0]["one_token_tiles"]["chunked"]["grad_weight"]
+    b = results["tp2", 1]["one_token_tiles"]["chunked"]["grad_weight"]
     assert a.shape == b.shape and not torch.allclose(a, b)
     # the two ranks agree on the tokens' log-probs: the softmax is over the whole vocabulary
     assert_close(
-        results["tp2", 0]["one_token_chunks"]["chunked"]["logprobs"],
-        results["tp2", 1]["one_token_chunks"]["chunked"]["logprobs"],
+        results["tp2", 0]["one_token_tiles"]["chunked"]["logprobs"],
+        results["tp2", 1]["one_token_tiles"]["chunked"]["logprobs"],
         FP32_MODEL,
     )

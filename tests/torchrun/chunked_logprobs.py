@@ -1,8 +1,9 @@
 """torchrun worker (2 ranks): chunked log-probs and entropy from hidden states
 (`parallel.vocab.chunked_logprobs_entropy`) equal those of the full vocab-parallel logits, in
 value and in the gradients of the hidden states and the projection, at TP2 and TP1 (DP2),
-with a padded vocabulary, a temperature, chunks of 1, 7 and all tokens, and with the entropy
-in the loss or not.
+with a padded vocabulary, a temperature, tiles of 1 or 7 tokens over all of a rank's rows,
+blocks of 50 rows (the last one shorter) or of one row, and one tile of everything, and with
+the entropy in the loss or not.
 
 Each rank writes {layout}_{rank}.pt: {case: {"chunked": {...}, "full": {...}}} with
 logprobs, entropy, grad_hidden, grad_weight.
@@ -23,10 +24,11 @@ from megatron_rl.parallel.vocab import (
 from megatron_rl.procutil import exit_now
 
 VOCAB, PADDED, HIDDEN, TOKENS = 250, 256, 32, (3, 10)
-CASES = {  # name: (chunk, temperature, entropy in the loss)
-    "one_token_chunks": (1, 1.0, True),
-    "chunks_of_7_tempered": (7, 0.7, True),
-    "one_chunk_no_entropy_grad": (None, 1.3, False),
+CASES = {  # name: ((tokens, vocabulary rows) of a tile, temperature, entropy in the loss)
+    "one_token_tiles": ((1, PADDED), 1.0, True),
+    "tiles_of_7_by_50_tempered": ((7, 50), 0.7, True),
+    "one_row_blocks": ((30, 1), 1.0, True),
+    "one_tile_no_entropy_grad": (None, 1.3, False),
 }
 LAYOUTS = {
     "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
@@ -35,12 +37,12 @@ LAYOUTS = {
 
 
 def run(case, hidden, weight, labels, coef_lp, coef_h, chunked: bool):
-    chunk, temperature, entropy_in_loss = CASES[case]
+    tile, temperature, entropy_in_loss = CASES[case]
     hidden = hidden.clone().requires_grad_(True)
     weight = weight.clone().requires_grad_(True)
     if chunked:
         logprobs, entropy = chunked_logprobs_entropy(
-            hidden, weight, labels, VOCAB, temperature, chunk
+            hidden, weight, labels, VOCAB, temperature, tile
         )
     else:
         logits = hidden @ weight.t()

@@ -1,0 +1,73 @@
+"""The tiled head on one rank (`parallel.vocab.chunked_logprobs_entropy`): every tile shape,
+blocks of rows merged, gives the log-probs, entropy and both gradients of the whole logits;
+in bf16, with the hidden states' gradient summed over blocks of rows in fp32, no further
+from fp32 logits than whole bf16 logits are. Tensor parallelism:
+test_chunked_logprobs_distributed.py."""
+
+import pytest
+import torch
+
+from megatron_rl.parallel import vocab
+from tests.tolerances import BF16_MODEL, FP32_MODEL, assert_close
+
+VOCAB, PADDED, HIDDEN, TOKENS = 1000, 1024, 48, 90
+
+
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    """TP1 without a process group: rank 0 of 1 holds the whole vocabulary."""
+    monkeypatch.setattr(vocab, "_tp", lambda: (0, 1, None))
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=g).to(dtype)
+    weight = (torch.randn(PADDED, HIDDEN, generator=g) * 0.4).to(dtype)
+    labels = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    return hidden, weight, labels, torch.randn(2, TOKENS, generator=g)
+
+
+def _run(hidden, weight, labels, coef, how, entropy_in_loss=True):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    if how in ("fp32", "whole"):  # torch's log-softmax over the real vocabulary
+        logits = h.float() @ w.float().t() if how == "fp32" else (h @ w.t()).float()
+        log_p = torch.log_softmax(logits[:, :VOCAB] / 0.8, dim=-1)
+        lp = log_p.gather(1, labels[:, None]).squeeze(1)
+        ent = -(log_p.exp() * log_p).sum(-1)
+    else:
+        lp, ent = vocab.chunked_logprobs_entropy(h, w, labels, VOCAB, 0.8, tile=how)
+    loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if entropy_in_loss else 0.0)
+    loss.backward()
+    return lp.detach(), ent.detach(), h.grad.float(), w.grad.float()
+
+
+@pytest.mark.parametrize("entropy_in_loss", [True, False])
+@pytest.mark.parametrize("tile", [None, (TOKENS, 300), (7, 1000), (16, 333), (45, 1)])
+def test_fp32_tiles_equal_the_whole_logits(tile, entropy_in_loss):
+    hidden, weight, labels, coef = _inputs(torch.float32)
+    want = _run(hidden, weight, labels, coef, "fp32", entropy_in_loss)
+    got = _run(hidden, weight, labels, coef, tile, entropy_in_loss)
+    for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
+        assert b.abs().max() > 1e-3, name  # a real comparison
+        assert_close(a, b, FP32_MODEL, f"{tile} {name}")
+    assert (got[3][VOCAB:] == 0).all()  # vocabulary padding gets no gradient
+
+
+@pytest.mark.parametrize("tile", [(32, 300), (TOKENS, 128)])
+def test_bf16_tiles_are_as_close_to_fp32_logits_as_whole_bf16_logits(tile):
+    """Several blocks of rows in bf16: the hidden states' gradient summed in fp32 across
+    them and rounded once, the projection's likewise across blocks of tokens."""
+    hidden, weight, labels, coef = _inputs(torch.bfloat16)
+    fp32 = _run(hidden, weight, labels, coef, "fp32")
+    whole = _run(hidden, weight, labels, coef, "whole")
+    tiled = _run(hidden, weight, labels, coef, tile)
+    for got, bf16, want in zip(tiled, whole, fp32, strict=True):
+        # on CPU both read the same bf16-rounded logits (CUDA's GEMMs write fp32 ones)
+        assert_close(got, bf16, BF16_MODEL)
+        assert (got - want).abs().max() <= 2 * (bf16 - want).abs().max()
+
+
+def test_a_tile_of_no_tokens_or_rows_is_refused():
+    hidden, weight, labels, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"\(tokens, rows\) >= 1, got \(0, 5\)"):
+        vocab.chunked_logprobs_entropy(hidden, weight, labels, VOCAB, tile=(0, 5))
