@@ -175,6 +175,29 @@ def current_lr(optimizer) -> float:
     return get_canonical_lr_for_logging(optimizer.param_groups)
 
 
+def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
+    """megatron-core's optimizer step (`ChainedOptimizer.step`) given the gradient norm the
+    caller took after `prepare_grads`: each optimizer of the chain with `clip_grad` > 0
+    scales its gradients by clip_grad / grad_norm where that is < 1, then all step. Returns
+    whether the step was taken. `step()` itself would prepare the gradients and take the
+    norm again: a second pass over every gradient and a second host synchronisation."""
+    # why: megatron loads only where it is used; the CPU layer may have replaced the clip
+    from megatron.core.optimizer import clip_grads
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        params = inner.get_parameters()
+        if params:
+            clip_grads.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return optimizer.step_with_ready_grads()
+
+
 def use_fused_adamw_on_cpu(optimizer) -> None:
     """Where megatron-core fell back to torch's AdamW (no Transformer Engine, no apex) and a
     group's parameters are fp32 on the CPU, run torch's fused kernel: the same update in one

@@ -21,7 +21,12 @@ from megatron_rl.parallel.collectives import (
 )
 from megatron_rl.parallel.distributed import ParallelLayout
 from megatron_rl.workers.offload import ParamOffload
-from megatron_rl.workers.optimizer import OptimConfig, current_lr, wrap_ddp_and_optimizer
+from megatron_rl.workers.optimizer import (
+    OptimConfig,
+    current_lr,
+    step_with_grad_norm,
+    wrap_ddp_and_optimizer,
+)
 from megatron_rl.workers.rewind import UpdateSnapshot
 from megatron_rl.workers.router_losses import router_loss_metrics
 from megatron_rl.workers.schedule import broadcast_from_last_stage, run_schedule
@@ -288,16 +293,16 @@ class TrainableRole(MegatronRole):
         metrics["lr"] = current_lr(self.optimizer)  # this update's, before the schedule moves
         # A NaN/Inf anywhere makes the global grad norm non-finite on every rank (it is
         # reduced over TP/PP/DP): skip the step everywhere rather than poison the weights.
-        self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad, what the norm reads
+        found_inf = self.optimizer.prepare_grads()  # DDP's main_grad -> param.grad
         norm = float(self.optimizer.get_grad_norm())
-        if not math.isfinite(norm):
+        if found_inf or not math.isfinite(norm):
             self.optimizer.zero_grad()
             metrics.update(grad_norm=norm, update_ok=False, skipped_nonfinite=1.0)
             return metrics
-        ok, grad_norm, _ = self.optimizer.step()
+        ok = step_with_grad_norm(self.optimizer, norm)  # clipped to this norm, not a second
         if ok:  # as megatron-LM: a skipped update does not advance the schedule
             self.scheduler.step(1)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else norm
+        metrics["grad_norm"] = norm
         metrics["update_ok"] = bool(ok)
         metrics["skipped_nonfinite"] = 0.0
         return metrics

@@ -1,5 +1,6 @@
-"""torchrun worker: one optimizer step with TP=2 moves every actor and critic parameter, and
-the reference policy (forward-only) never changes. Writes a summary to --out (rank 0)."""
+"""torchrun worker: one optimizer step with TP=2 moves every actor and critic parameter, the
+same weights as megatron-core's own `optimizer.step()`, and the reference policy
+(forward-only) never changes. Writes a summary to --out (rank 0)."""
 
 import argparse
 
@@ -97,6 +98,21 @@ def main():
     }
 
     cfg = PolicyLossConfig(nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.01)
+    # Our step (the norm taken once, `step_with_grad_norm`) against megatron's own
+    # `optimizer.step()`, on twins from the same weights, with every gradient clipped.
+    clipped = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1e-3)
+    ours, megatrons = Actor(model, optim=clipped), Actor(model, optim=clipped)
+    ours_metrics = ours.update(batch, cfg, 2)
+    megatrons.compute_gradients(batch, cfg, 2)
+    megatron_ok, megatron_norm, _ = megatrons.optimizer.step()
+    stepped, theirs = snapshot(ours.chunks, arch), snapshot(megatrons.chunks, arch)
+    twins = {
+        "ours": ours_metrics,
+        "megatron": (megatron_ok, float(megatron_norm)),
+        "weights_equal": stepped.keys() == theirs.keys()
+        and all(torch.equal(stepped[k], theirs[k]) for k in stepped),
+        "unchanged": len(unchanged(actor_before, stepped)),
+    }
     actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
     critic_metrics = critic.update(batch, ValueLossConfig(), 2)
 
@@ -110,6 +126,7 @@ def main():
     nan_unchanged = len(unchanged(before_nan, snapshot(actor.chunks, arch)))
 
     summary = {
+        "twins": twins,
         "tis": tis,
         "offloaded_bytes": offloaded_bytes,
         "after_offload": after_offload,

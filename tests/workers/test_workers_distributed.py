@@ -167,6 +167,11 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert s["reference_changed"] == [] and not s["reference_has_grads"]
     assert s["reference_logprob_drift"] == 0.0 and s["actor_logprob_change"] > 1e-3
     assert s["actor_metrics"]["update_ok"] and s["critic_metrics"]["update_ok"]
+    # the gradient norm taken once, clipped to it: megatron's own step, to the bit
+    twins = s["twins"]
+    assert twins["ours"]["update_ok"] and twins["megatron"][0]
+    assert twins["ours"]["grad_norm"] == twins["megatron"][1] > 1e-3  # so every step clipped
+    assert twins["weights_equal"] and twins["unchanged"] == 0
     (loss, norm), (weighted_loss, weighted_norm) = s["tis"]
     assert abs(loss) > 1e-4 and norm > 1e-4
     assert weighted_loss == pytest.approx(3 * loss, rel=1e-5)  # TIS weights scale the pg term
