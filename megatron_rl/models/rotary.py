@@ -25,6 +25,8 @@ unchanged.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -52,12 +54,45 @@ class RotateHalf(torch.autograd.Function):
         return grad_t, None, None
 
 
+class _Tables:
+    """cos and sin of the last angles asked for. Every layer of a forward rotates its queries
+    and keys by the same tensor of angles (megatron's rotary embedding makes it once and
+    caches it across forwards), so they are made once, not twice a layer. Matched by the
+    angles tensor itself (a weak reference: a tensor made later at a freed one's address
+    never matches), its version counter (an in-place change never matches), the scale and
+    dtype, and for packed rows the segments' bounds likewise."""
+
+    def __init__(self):
+        self.refs, self.key, self.tables = (), None, None
+
+    def get(self, freqs, mscale: float, dtype, cu_seqlens=None, total: int = 0):
+        tensors = (freqs,) if cu_seqlens is None else (freqs, cu_seqlens)
+        key = (*(x._version for x in tensors), mscale, dtype, total)
+        key += (torch.is_inference_mode_enabled(),)
+        held = tuple(ref() for ref in self.refs)
+        if (
+            key != self.key
+            or len(held) != len(tensors)
+            or any(h is not x for h, x in zip(held, tensors, strict=False))
+        ):
+            angles = freqs
+            if cu_seqlens is not None:  # each packed token's angle at its place in its row
+                angles = freqs[segment_positions(cu_seqlens, total)]
+            self.tables = (
+                (torch.cos(angles) * mscale).to(dtype),
+                (torch.sin(angles) * mscale).to(dtype),
+            )
+            self.refs, self.key = tuple(weakref.ref(x) for x in tensors), key
+        return self.tables
+
+
+_TABLES = _Tables()
+
+
 def apply_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
     """RoPE of t [s, b, n, d] at angles freqs [s, 1, 1, d] (fp32), cos and sin scaled by
     `mscale` and cast to t's dtype first, as megatron-core does."""
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
-    return RotateHalf.apply(t, cos, sin)
+    return RotateHalf.apply(t, *_TABLES.get(freqs, mscale, t.dtype))
 
 
 def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -78,8 +113,8 @@ def apply_rope_packed(
     `cu_seqlens` at positions 0, 1, ... (what megatron-core's `_apply_rotary_pos_emb_thd`
     computes without context parallelism, without its per-segment split and host copy of the
     bounds); freqs [max segment length, 1, 1, d]."""
-    angles = freqs[segment_positions(cu_seqlens, t.shape[0])]  # [T, 1, 1, d]
-    return apply_rope(t.unsqueeze(1), angles, mscale).squeeze(1)
+    cos, sin = _TABLES.get(freqs, mscale, t.dtype, cu_seqlens, t.shape[0])  # [T, 1, 1, d]
+    return RotateHalf.apply(t.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _rotary_pos_emb(megatron_fn):

@@ -156,3 +156,28 @@ def test_megatron_attention_routes_the_covered_case_here_and_the_rest_to_megatro
         assert not _rotated_here(out)
         expected = rope_utils.apply_rotary_pos_emb(t, f, **kwargs)
         assert_close(out.detach().cpu(), expected.detach().cpu(), FP32_EXACT_ORDER)
+
+
+def test_cos_and_sin_are_made_once_per_angles_tensor():
+    """Every layer rotates by the same angles tensor: its cos and sin are made once, and made
+    again for another tensor (even of equal values), after an in-place change, for another
+    dtype or scale, and for packed rows with other bounds."""
+    from megatron_rl.models.rotary import _TABLES
+
+    freqs = _freqs()
+    first = _TABLES.get(freqs, 1.0, torch.float32)
+    assert all(a is b for a, b in zip(_TABLES.get(freqs, 1.0, torch.float32), first, strict=True))
+    assert_close(first[0], torch.cos(freqs), FP32_EXACT_ORDER)
+    assert _TABLES.get(freqs.clone(), 1.0, torch.float32)[0] is not first[0]
+    assert _TABLES.get(freqs, 0.5, torch.float32)[1] is not first[1]
+    assert _TABLES.get(freqs, 1.0, torch.bfloat16)[0].dtype == torch.bfloat16
+    _TABLES.get(freqs, 1.0, torch.float32)
+    freqs.mul_(2)  # the version counter moves: the tables follow the new values
+    assert_close(_TABLES.get(freqs, 1.0, torch.float32)[1], torch.sin(freqs), FP32_EXACT_ORDER)
+    bounds = torch.tensor([0, 5, S], device=freqs.device)
+    packed = _TABLES.get(freqs, 1.0, torch.float32, bounds, S)
+    assert packed[0].shape == (S, 1, 1, D)
+    assert _TABLES.get(freqs, 1.0, torch.float32, bounds, S)[0] is packed[0]
+    other = _TABLES.get(freqs, 1.0, torch.float32, torch.tensor([0, 7, S], device=freqs.device), S)
+    assert not torch.equal(other[0], packed[0])
+    assert_close(other[0][7], torch.cos(freqs[0]), FP32_EXACT_ORDER)  # the second row's start
