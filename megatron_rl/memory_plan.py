@@ -21,7 +21,7 @@ GPT-3 constant (34 sbh), because Qwen2 has SwiGLU and grouped-query attention:
     plus the rstd); Q and K after RoPE, the fused QKV output (V is a view of it), the
     attention's output and the context (3q + 3kv) and its fp32 log-sum-exp (a per token);
     fc1 output (2f), all the SwiGLU saves (`models/swiglu.py`), and its product, fc2's input
-    (f); per layer the fp32 RoPE tables.
+    (f); once, RoPE's cos and sin tables, shared by every layer.
     No s^2 term. Within 2% of saved-tensor hooks on a real actor (`tools/plan_memory.py
     --check-cpu`, tests/tools/test_memory_check_distributed.py).
 h-sized tensors are split over TP only with sequence parallelism; head- and ffn-sized ones
@@ -420,11 +420,12 @@ def _local_attention_elements(arch: ModelArchitecture, c: MemoryPlanConfig) -> f
     return inputs + _attention_core_elements(arch, c)
 
 
-def _per_layer_constant(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:
-    """`local` only: RoPE cos/sin for Q and K (fp32), per layer."""
+def rope_table_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> int:
+    """`local` only: RoPE's cos and sin [s, d] in the activations' dtype, made once and
+    shared by every layer and micro-batch (`models/rotary.py`)."""
     if c.profile == "te":
         return 0
-    return 4 * c.seq_length * arch.head_dim * 4
+    return 2 * c.seq_length * arch.head_dim * _bytes_per_element(c)
 
 
 def layer_activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
@@ -435,7 +436,7 @@ def layer_activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig) -> floa
     total = sum(items.values()) * width
     if c.fp8 and "gemm_inputs" in items:
         total -= items["gemm_inputs"] * (width - 1)  # FP8 copies of GEMM inputs
-    return total * tokens + _per_layer_constant(arch, c)
+    return total * tokens
 
 
 def layers_in_flight(arch: ModelArchitecture, c: MemoryPlanConfig) -> float:
@@ -510,12 +511,12 @@ def activation_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) ->
         core = _attention_core_inputs(arch, c) + _attention_core_elements(arch, c)
         recompute = core * tokens * _bytes_per_element(c)
     head = head_bytes(arch, c, role)
-    first = layers_in_flight(arch, c) * stored + recompute
+    first = layers_in_flight(arch, c) * stored + recompute + rope_table_bytes(arch, c)
     if c.pipeline_model_parallel_size == 1:
         return int(first + head)
     # The last stage runs each micro-batch's backward right after its forward: one in flight.
     last = arch.num_layers // c.pipeline_model_parallel_size * stored + recompute + head
-    return int(max(first, last))
+    return int(max(first, last + rope_table_bytes(arch, c)))
 
 
 def teacher_layout(c: MemoryPlanConfig) -> MemoryPlanConfig:
