@@ -152,6 +152,52 @@ def test_distributed_optimizer_checkpoint_resumes_exactly(single_rank, tiny_mode
         assert torch.equal(a, b)
 
 
+def test_bf16_master_weights_step_with_torchs_fused_adamw_as_with_its_default(
+    single_rank, tiny_model_dir
+):
+    """On CUDA the fp32 master weights of bf16 training step with torch's fused AdamW, their
+    step counts on the device, with no host synchronisation in the step (the master weights'
+    copy into the model's is one foreach copy); two updates give the weights torch's
+    default (foreach, counts on the host) gives; an optimizer offload and restore leaves the
+    counts where the fused kernel reads them."""
+    from megatron_rl.models.dist_checkpoint import inner_optimizers
+    from megatron_rl.workers.optimizer import OptimConfig, step_with_grad_norm
+
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    model = RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16)
+    optim = OptimConfig(lr=1e-3)
+    fused, default = Actor(model, optim=optim), Actor(model, optim=optim)
+    groups = [g for inner in inner_optimizers(fused.optimizer) for g in inner.param_groups]
+    assert groups and all(g["fused"] is True for g in groups)
+    for inner in inner_optimizers(default.optimizer):
+        for g in inner.param_groups:
+            g["fused"] = None
+    batch, loss = cuda_global_batch(arch), PolicyLossConfig(nll_coef=0.1)
+    for _ in range(2):
+        default.update(batch, loss, num_microbatches=2)
+        fused.compute_gradients(batch, loss, num_microbatches=2)
+        assert not fused.optimizer.prepare_grads()
+        norm = float(fused.optimizer.get_grad_norm())  # the update's one read of the norm
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+        try:
+            assert step_with_grad_norm(fused.optimizer, norm)  # clipped as `update` clips
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(fused.chunks[0].parameters(), default.chunks[0].parameters(), strict=True):
+        assert_close(a.float(), b.float(), BF16_MODEL)
+    fused.offload(optimizer=True)
+    fused.restore_offloaded()
+    for inner in inner_optimizers(fused.optimizer):
+        steps = [s["step"] for s in inner.state.values()]
+        assert steps and all(s.is_cuda and s.item() == 2 for s in steps)
+    for inner in inner_optimizers(default.optimizer):
+        assert all(s["step"].device.type == "cpu" for s in inner.state.values())
+
+
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_offloaded_grads_and_optimizer_state_give_the_same_steps(
     single_rank, tiny_model_dir, distributed_optimizer

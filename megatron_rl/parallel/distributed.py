@@ -4,8 +4,8 @@
 1. validates the parallel layout against the world size and the model (before any process
    group exists, so a bad layout costs nothing and names the numbers),
 2. applies the CPU compatibility layer when CUDA is absent (`megatron_rl.parallel.cpu_compat`)
-   and, where megatron-core has no fused norm kernel, one that keeps the gradient norm on the
-   device (`megatron_rl.parallel.grad_norm`),
+   and, where megatron-core has no fused multi-tensor kernels, torch's foreach ones (the
+   gradient norm kept on the device: `megatron_rl.parallel.multi_tensor`),
 3. initialises torch.distributed (NCCL on GPU, gloo on CPU) from torchrun's environment,
 4. builds Megatron's TP/PP/DP groups (`parallel_state.initialize_model_parallel`),
 5. seeds torch and Megatron's model-parallel RNG tracker.
@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from megatron_rl.parallel import cpu_compat, grad_norm
+from megatron_rl.parallel import cpu_compat, multi_tensor
 from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
 
@@ -199,7 +199,7 @@ def initialize(
 
     compat = cpu_compat.apply()
     cpu_compat.define_missing_te_names()
-    grad_norm.use_device_l2_norm()
+    multi_tensor.use_foreach_kernels()
     use_cuda = torch.cuda.is_available()
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:

@@ -198,16 +198,20 @@ def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
     return optimizer.step_with_ready_grads()
 
 
-def use_fused_adamw_on_cpu(optimizer) -> None:
-    """Where megatron-core fell back to torch's AdamW (no Transformer Engine, no apex) and a
-    group's parameters are fp32 on the CPU, run torch's fused kernel: the same update in one
-    pass over each tensor, where torch's CPU default dispatches a dozen ops per parameter from
-    Python (the plain-PyTorch peer of `tools.bench train_step` uses it too). Only where every
-    parameter, its DDP gradient (`main_grad`) and its moments are contiguous: torch 2.13's
-    CPU kernel silently updates a strided tensor wrong (a TP shard of a LoRA A sliced from
-    the whole is one; `tests/workers/test_lr_schedule_unit.py`). Set on the group, which
-    torch reads at every step and a checkpoint's groups bring back: elsewhere it is put back
-    to torch's default (None: foreach on CUDA, the loop on CPU), whatever the checkpoint says."""
+def use_fused_adamw(optimizer) -> None:
+    """Where megatron-core fell back to torch's AdamW (no Transformer Engine, no apex), run
+    torch's fused kernel: the same update in one pass over each tensor, as the plain-PyTorch
+    peer of `tools.bench train_step` runs it. torch's default is otherwise foreach kernels
+    on CUDA (a pass per op of the update over every tensor: 10.9 ms of a 0.5B model's step
+    on an H200, `bench/gpu.md`) and a dozen Python-dispatched ops per parameter on the CPU.
+    Taken by a group whose parameters are fp32 on the CPU, or floating on CUDA (bf16
+    training steps fp32 master weights), and only where every parameter, its DDP gradient
+    (`main_grad`) and its moments are contiguous: torch 2.13's CPU kernel silently updates
+    a strided tensor wrong (a TP shard of a LoRA A sliced from the whole is one;
+    `tests/workers/test_lr_schedule_unit.py`), and the CUDA one walks tensors as flat
+    memory. Set on the group, which torch reads at every step and a checkpoint's groups
+    bring back: elsewhere it is put back to torch's default (None), whatever the checkpoint
+    says. Each parameter's step count goes where the chosen kernel reads it (`_place_steps`)."""
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             if "fused" not in group or group.get("foreach") or group["differentiable"]:
@@ -219,9 +223,29 @@ def use_fused_adamw_on_cpu(optimizer) -> None:
                 for t in (p, getattr(p, "main_grad", p), *inner.state.get(p, {}).values())
                 if torch.is_tensor(t)
             ]
-            fits = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+            fits = all(_fused_kernel_runs(p) for p in params)
             fits = fits and all(t.is_contiguous() for t in tensors)
             group["fused"] = True if params and fits else None
+            _place_steps(inner, group)
+
+
+def _fused_kernel_runs(p: torch.Tensor) -> bool:
+    if p.device.type == "cuda":
+        return p.is_floating_point()
+    return p.device.type == "cpu" and p.dtype == torch.float32
+
+
+def _place_steps(inner, group) -> None:
+    """Each parameter's step count where its group's kernel reads it, as torch places it
+    for a new state: float32 on the parameter's device for the fused kernel (the CUDA one
+    reads it in device memory), on the host otherwise (the foreach path reads it as a
+    number: on the device, one host synchronisation per parameter). A checkpoint of the
+    other choice brings its steps back where that one had them."""
+    for p in group["params"]:
+        state = inner.state.get(p, {})
+        if torch.is_tensor(state.get("step")):
+            where = p.device if group["fused"] else torch.device("cpu")
+            state["step"] = state["step"].to(device=where, dtype=torch.float32)
 
 
 def restore_schedule(scheduler, saved: dict | None) -> list[str]:
@@ -250,9 +274,9 @@ def apply_hyperparameters(optimizer, optim: OptimConfig) -> list[str]:
     (0: no weight decay on biases and norms). Called when the optimizer is built and again
     after a checkpoint's state is loaded, whose param groups would bring back the saved
     values: the config wins. The lr itself is the scheduler's (`restore_schedule`). Also
-    picks the AdamW kernel (`use_fused_adamw_on_cpu`), which a loaded group resets. Returns
+    picks the AdamW kernel (`use_fused_adamw`), which a loaded group resets. Returns
     "name: old -> new" per changed value."""
-    use_fused_adamw_on_cpu(optimizer)
+    use_fused_adamw(optimizer)
     changed: dict[str, tuple] = {}
     for group in optimizer.param_groups:
         wanted = {

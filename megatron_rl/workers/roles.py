@@ -25,6 +25,7 @@ from megatron_rl.workers.optimizer import (
     OptimConfig,
     current_lr,
     step_with_grad_norm,
+    use_fused_adamw,
     wrap_ddp_and_optimizer,
 )
 from megatron_rl.workers.rewind import UpdateSnapshot
@@ -207,6 +208,7 @@ class TrainableRole(MegatronRole):
                 chunk.restore_grad_buffers(synchronize=torch.cuda.is_available())
         if "optimizer" in self.offloaded:
             self.optimizer.restore_from_cpu()
+            use_fused_adamw(self.optimizer)  # megatron brings every step count to the device
         self.offloaded.clear()
 
     def snapshot_updates(self) -> None:
