@@ -17,6 +17,7 @@ the lowest finite value divided by T < 1 would overflow to -inf, and 0 * -inf is
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -104,6 +105,14 @@ def _rescaled(m, s, d, top):
     return scale * s, scale * (d + shift * s)
 
 
+def _merged(a, b):
+    """Two blocks of rows' (m, s, d, picked), each [C], as one block's."""
+    (m, s, d, picked), (m2, s2, d2, picked2) = a, b
+    top = torch.maximum(m, m2)
+    (s, d), (s2, d2) = _rescaled(m, s, d, top), _rescaled(m2, s2, d2, top)
+    return top, s + s2, d + d2, picked + picked2
+
+
 class _ChunkedLogProbsEntropy(torch.autograd.Function):
     """Log-probs of labels and entropy of softmax(hidden @ W^T / T), tile by tile over tokens
     and vocabulary rows, never holding more than one tile's [C, R] logits: forward keeps only
@@ -145,16 +154,13 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h, local_labels = hidden[start:end], labels[start:end] - first
-            m, s, d, picked = _chunk_sums(
-                _chunk_logits(h, weight[:block], temperature), local_labels
-            )
-            for row in range(block, rows, block):  # the other blocks of rows, merged
-                m2, s2, d2, picked2 = _chunk_sums(
+            sums = None
+            for row in range(0, max(rows, 1), block):  # one empty block where no rows are real
+                part = _chunk_sums(
                     _chunk_logits(h, weight[row : row + block], temperature), local_labels - row
                 )
-                top = torch.maximum(m, m2)
-                (s, d), (s2, d2) = _rescaled(m, s, d, top), _rescaled(m2, s2, d2, top)
-                m, s, d, picked = top, s + s2, d + d2, picked + picked2
+                sums = part if sums is None else _merged(sums, part)
+            m, s, d, picked = sums
             if tp_size > 1:  # every slice's sums, rescaled to the global max
                 top = m.clone()
                 torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -284,7 +290,8 @@ def _chunk_logits_grad(log_p, g_lp, g_h, entropy, local_labels, dtype):
 def _fp32_gemm(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a GEMM of `dtype` inputs can write fp32 into a given tensor, summing into it
     (`torch.mm` / `torch.addmm` with `out_dtype=` and `out=`: CUDA only, bf16 / fp16).
-    Probed once: a torch without it takes the cast instead."""
+    Probed once: a torch without it takes the cast instead (each GEMM's output rounded to
+    `dtype` first, and a copy per tile), and says so."""
     if device_type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     try:
@@ -292,9 +299,17 @@ def _fp32_gemm(device_type: str, dtype: torch.dtype) -> bool:
         out = torch.zeros(2, 2, device=device_type)
         torch.mm(a, a, out_dtype=torch.float32, out=out)
         torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-        return bool((out == 4).all())
+        works = bool((out == 4).all())
     except (RuntimeError, NotImplementedError, TypeError):
-        return False
+        works = False
+    if not works:
+        warnings.warn(
+            f"torch {torch.__version__} has no {dtype} GEMM writing fp32 in place "
+            "(mm / addmm with out_dtype= and out=): the log-prob head's logits and each "
+            f"tile's gradient products are rounded to {dtype}, then cast to fp32",
+            stacklevel=2,
+        )
+    return works
 
 
 def _chunk_logits(hidden, weight, temperature: float) -> torch.Tensor:
