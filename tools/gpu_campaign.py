@@ -14,7 +14,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
 - env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
                       always runs, also without CUDA
 - gpu_tests:          the GPU-only tests (tests/test_gpu.py: bf16 actor step, TE spec, FP8,
-                      distributed-optimizer checkpoint, offloading, NCCL roles)
+                      distributed-optimizer checkpoint, offloading, NCCL roles, fused AdamW;
+                      and those of the other files in GPU_TEST_FILES)
 - train_step_bf16:    `tools.bench train_step` on CUDA in bf16 (MFU, peak memory vs plan),
                       Qwen2.5-0.5B, 4 x 2,048 tokens, beside the plain-PyTorch peer
                       (transformers + SDPA + fused AdamW, mixed precision; each arm's
@@ -72,6 +73,13 @@ MAX_TIMEOUT_S = 540
 STATUSES = ("passed", "failed", "skipped", "timeout")
 MEGATRON, TE, VLLM = ("megatron.core",), ("transformer_engine",), ("vllm",)
 PEER = ("transformers",)
+GPU_TEST_FILES = (
+    "tests/test_gpu.py",
+    "tests/parallel/test_multi_tensor_unit.py",
+    "tests/rollout/test_hf_engine_unit.py",
+    "tests/trainer/test_memory_timeline_unit.py",
+)
+"""Every test file with GPU-marked tests (`-m gpu` runs those alone)."""
 TWO_RANKS_ONE_GPU = (
     "two ranks on one GPU do not work here: NCCL refuses them at set-up ('Duplicate GPU "
     "detected'); gloo takes CUDA tensors only for broadcast/all_reduce, not the all_gather, "
@@ -134,8 +142,8 @@ def parts(work: Path) -> list[Part]:
 
     return [
         Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
-        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", "tests/test_gpu.py"),
-             needs=("pytest", *MEGATRON)),
+        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", *GPU_TEST_FILES),
+             needs=("pytest", *MEGATRON, *PEER)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and
         # ours against ours with megatron-core's own linears, RoPE or activation, alternating

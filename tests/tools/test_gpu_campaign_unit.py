@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,18 @@ def files_named(argv: tuple[str, ...]) -> list[str]:
     """Arguments that name a repository file (the work dir's are made at run time)."""
     named = [a for a in argv if a.endswith((".py", ".yaml", ".jsonl")) and "=" not in a]
     return [a for a in named if not a.startswith("$WORK")]
+
+
+def test_gpu_tests_run_every_file_with_gpu_marked_tests():
+    gpu_marked = re.compile(r"^(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu)", re.M)
+    marked = sorted(
+        str(f.relative_to(REPO))
+        for f in (REPO / "tests").rglob("test_*.py")
+        if gpu_marked.search(f.read_text())
+    )
+    assert marked == sorted(gpu_campaign.GPU_TEST_FILES)
+    part = next(p for p in gpu_campaign.parts(Path("$WORK")) if p.name == "gpu_tests")
+    assert set(gpu_campaign.GPU_TEST_FILES) <= set(part.argv)
 
 
 def test_parts_have_unique_names_short_limits_and_runnable_commands():
