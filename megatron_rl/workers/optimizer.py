@@ -237,14 +237,15 @@ def _fused_kernel_runs(p: torch.Tensor) -> bool:
 
 def _place_steps(inner, group) -> None:
     """Each parameter's step count where its group's kernel reads it, as torch places it
-    for a new state: float32 on the parameter's device for the fused kernel (the CUDA one
-    reads it in device memory), on the host otherwise (the foreach path reads it as a
-    number: on the device, one host synchronisation per parameter). A checkpoint of the
-    other choice brings its steps back where that one had them."""
+    for a new state: float32 on the parameter's device for the fused (or capturable)
+    kernel (the CUDA one reads it in device memory), on the host otherwise (the foreach
+    path reads it as a number: on the device, one host synchronisation per parameter). A
+    checkpoint of the other choice brings its steps back where that one had them."""
+    on_device = group["fused"] or group.get("capturable")
     for p in group["params"]:
         state = inner.state.get(p, {})
         if torch.is_tensor(state.get("step")):
-            where = p.device if group["fused"] else torch.device("cpu")
+            where = p.device if on_device else torch.device("cpu")
             state["step"] = state["step"].to(device=where, dtype=torch.float32)
 
 
