@@ -122,8 +122,10 @@ def _clip_grad_by_total_norm_fp32(
         parameters = [parameters]
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
     clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
     grads = [g.detach() for g in (getattr(p, attr, None) for p in parameters) if g is not None]
-    if clip_coeff < 1.0 and grads:
+    if grads:
         torch._foreach_mul_(grads, clip_coeff)
 
 

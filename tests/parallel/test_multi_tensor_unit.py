@@ -116,19 +116,6 @@ def test_lists_of_different_lengths_are_refused():
     foreach_scale(2048 * 32, None, [[], []], 0.5)  # nothing to do
 
 
-def test_megatrons_bf16_master_weight_copy_uses_it(world_of_one):
-    """megatron's `_multi_tensor_copy_this_to_that` (master weights into the model's after
-    every bf16 step) runs `foreach_scale` with scale 1."""
-    from megatron.core.optimizer import optimizer as optimizer_mod
-
-    cpu_compat.apply()
-    use_foreach_kernels()
-    main = _grads("cpu")
-    model = [torch.zeros_like(m, dtype=torch.bfloat16) for m in main]
-    optimizer_mod._multi_tensor_copy_this_to_that(main, model, torch.zeros(1, dtype=torch.int))
-    assert all(torch.equal(d, m.to(torch.bfloat16)) for d, m in zip(model, main, strict=True))
-
-
 @pytest.mark.gpu
 def test_the_scale_makes_no_host_synchronisation_on_cuda():
     srcs = _grads("cuda")
