@@ -313,6 +313,70 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     assert reduce_over_ranks({"x": 1.0}) == {"x": 1.0}
 
 
+def test_the_micro_batches_of_an_update_make_one_host_synchronisation(single_rank, tiny_model_dir):
+    """Forward, losses and backward of every micro-batch run with the host ahead of the
+    device: in the actor's (PPO with dual clip, positive-sample NLL, entropy and KL terms)
+    and the critic's `compute_gradients` the one synchronising call is the metrics' single
+    copy to the host. A read in a micro-batch's loss would make the host wait for the
+    device's whole forward before it queues the backward."""
+    import warnings
+
+    from megatron_rl.workers import roles
+    from megatron_rl.workers.critic import Critic
+    from megatron_rl.workers.losses_config import ValueLossConfig
+
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
+    bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
+    actor = Actor(RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16))
+    critic = Critic(RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16))
+    batch = cuda_global_batch(arch)
+    policy = PolicyLossConfig(dual_clip_c=3.0, nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.1)
+    for role, cfg in ((actor, policy), (critic, ValueLossConfig())):
+        role.compute_gradients(batch, cfg, num_microbatches=2)  # compiles the head's backward
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                metrics = role.compute_gradients(batch, cfg, num_microbatches=2)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+        assert metrics and len(syncs) == 1 and syncs[0].startswith(roles.__file__), syncs
+
+
+def test_a_bad_mask_on_the_device_is_refused_without_a_host_synchronisation():
+    """`check_mask` on the device checks the values there: no host read, and a mask that is
+    not 0/1 stops the process with a device-side assertion (it leaves CUDA unusable, hence
+    a process of its own)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch\n"
+        "from megatron_rl.algorithms.checks import check_mask\n"
+        "good = torch.ones(2, 3, device='cuda')\n"
+        "bad = torch.full((2, 3), 0.5, device='cuda')\n"
+        "torch.cuda.synchronize()\n"
+        "torch.cuda.set_sync_debug_mode('error')\n"
+        "check_mask(good)\n"
+        "check_mask(bad)\n"
+        "torch.cuda.set_sync_debug_mode('default')\n"
+        "print('queued', flush=True)\n"
+        "torch.cuda.synchronize()\n"
+        "print('not refused', flush=True)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300
+    )
+    assert "queued" in run.stdout and "not refused" not in run.stdout, run.stdout + run.stderr
+    assert run.returncode != 0 and "device-side assert" in run.stderr, run.stderr
+
+
 def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
     single_rank, tiny_model_dir
 ):

@@ -10,10 +10,19 @@ import torch
 
 
 def check_mask(mask: torch.Tensor, name: str = "response_mask") -> None:
-    """A [B, T] tensor of zeros and ones (any dtype)."""
+    """A [B, T] tensor of zeros and ones (any dtype).
+
+    On the host a bad value raises ValueError naming it. On an accelerator the values are
+    checked on the device (`torch._assert_async`): reading them back would make the host wait
+    for the device in every micro-batch's loss. A bad mask there stops the run with a
+    device-side assertion at the device's next synchronisation; batches are built on the
+    host (`data/batch.py`), where their masks are made of zeros and ones."""
     if mask.dim() != 2:
         raise ValueError(f"{name} must be [B, T], got shape {tuple(mask.shape)}")
     bad = (mask != 0) & (mask != 1)
+    if mask.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"{name} must contain only 0 and 1")
+        return
     if bad.any():
         value = mask[bad].flatten()[0].item()
         raise ValueError(f"{name} must contain only 0 and 1, found {value}")

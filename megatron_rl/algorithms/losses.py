@@ -31,8 +31,11 @@ def token_and_sequence_counts(response_mask: torch.Tensor) -> torch.Tensor:
 
 def _at_least_one(count, like: torch.Tensor) -> torch.Tensor:
     """A count (a number or a tensor) as a tensor on `like`'s device, at least 1: the
-    denominator of a loss over a batch that may hold no valid token."""
-    return torch.as_tensor(count, device=like.device).clamp(min=1)
+    denominator of a loss over a batch that may hold no valid token. A number is filled in
+    on the device (`torch.tensor` of a number copies it from the host and waits there)."""
+    if isinstance(count, torch.Tensor):
+        return count.to(like.device).clamp(min=1)
+    return torch.full((), max(count, 1), device=like.device)
 
 
 def aggregate_loss(

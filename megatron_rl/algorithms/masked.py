@@ -13,10 +13,10 @@ import torch
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Sum of x where mask is 1. Padded entries may hold anything, NaN included."""
-    m = mask.to(x.dtype)
-    x = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return (x * m).sum() if dim is None else (x * m).sum(dim)
+    """Sum of x where the 0/1 mask is 1. Padded entries may hold anything, NaN included:
+    they are selected out, never multiplied by 0."""
+    x = torch.where(mask.bool(), x, 0)
+    return x.sum() if dim is None else x.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:

@@ -285,12 +285,16 @@ def _chunk_logits_grad(log_p, g_lp, g_h, entropy, local_labels, dtype):
         factor = -g_lp[:, None]
     grad = torch.empty((c, rows), dtype=dtype, device=log_p.device)
     if g_lp is not None:  # the label entries, in fp32, before p and factor are consumed
-        here = torch.nonzero((local_labels >= 0) & (local_labels < rows)).squeeze(1)
-        cols = local_labels[here]
-        at_label = p[here, cols] * factor[here, cols if g_h is not None else 0] + g_lp[here]
+        # Every token's entry at its label's column, or at column 0 where its label lies in
+        # another block of rows (rewritten as p * factor there): no host read of which.
+        here = (local_labels >= 0) & (local_labels < rows)
+        tokens = torch.arange(c, device=log_p.device)
+        cols = local_labels.clamp(0, rows - 1)
+        at_label = p[tokens, cols] * (factor[tokens, cols] if g_h is not None else factor[:, 0])
+        at_label = torch.where(here, at_label + g_lp, at_label)
     torch.mul(p, factor, out=grad)
     if g_lp is not None:
-        grad[here, cols] = at_label.to(dtype)
+        grad[tokens, cols] = at_label.to(dtype)
     return grad
 
 

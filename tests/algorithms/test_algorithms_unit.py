@@ -386,6 +386,48 @@ def test_nll_and_value_loss_gradcheck():
     )
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("counts", ["global", "local"])
+def test_losses_on_a_device_read_nothing_back_to_the_host(mode, counts):
+    """On an accelerator the host queues a micro-batch's losses and their backward without
+    waiting for the device: no value is read back (a branch on a tensor, `item`, `nonzero`,
+    a count copied from the host). On the meta device every such read raises."""
+    meta = torch.device("meta")
+
+    def leaf():
+        return torch.empty(3, 5, device=meta, requires_grad=True)
+
+    mask, scores = torch.empty(3, 5, device=meta), torch.empty(3, device=meta)
+    tokens, seqs, positive = (
+        torch.empty(3, dtype=torch.float64, device=meta) if counts == "global" else [None] * 3
+    )
+    logprobs, values = leaf(), leaf()
+    pg, metrics = ppo_policy_loss(
+        logprobs,
+        torch.empty(3, 5, device=meta),
+        torch.empty(3, 5, device=meta),
+        mask,
+        dual_clip_c=3.0,
+        loss_agg_mode=mode,
+        global_token_count=tokens,
+        global_seq_count=seqs,
+    )
+    vf, vf_metrics = clipped_value_loss(
+        values, torch.empty(3, 5, device=meta), torch.empty(3, 5, device=meta), mask,
+        loss_agg_mode=mode, global_token_count=tokens, global_seq_count=seqs,
+    )  # fmt: skip
+    kl = kl_estimate(logprobs, torch.empty(3, 5, device=meta), "k3")
+    loss = (
+        pg
+        + positive_sample_nll_loss(logprobs, mask, scores, positive)
+        + aggregate_loss(kl, mask, mode, tokens, seqs)
+        + vf
+    )
+    loss.backward()
+    assert logprobs.grad.device == values.grad.device == meta
+    assert all(m.device == meta for m in [*metrics.values(), *vf_metrics.values()])
+
+
 def test_positive_nll_uses_scores_and_is_zero_without_positives():
     logp, _, _, mask, _ = random_policy_batch(7)
     scores = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0], dtype=DTYPE)

@@ -80,6 +80,31 @@ def test_a_tile_of_no_rows_sums_to_nothing():
     assert not s.any() and not d.any() and not picked.any()
 
 
+@pytest.mark.parametrize("entropy_in_loss", [True, False])
+def test_the_tiled_head_reads_nothing_back_to_the_host(entropy_in_loss):
+    """Forward and backward in blocks of rows, labels in other blocks than a token's own,
+    queue on a GPU without the host waiting: no op whose result the host must read (a
+    scalar, `nonzero`, a boolean mask's index). The eager backward serves where the
+    compiled one does not (CPU, no Triton)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            indices = args[1] if name.startswith("index") and len(args) > 1 else ()
+            bool_index = any(getattr(i, "dtype", None) == torch.bool for i in indices or ())
+            if name in ("_local_scalar_dense", "nonzero", "is_nonzero", "equal") or bool_index:
+                reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, labels, coef = _inputs(torch.float32)
+    with HostReads():
+        _run(hidden, weight, labels, coef, (32, 100), entropy_in_loss)
+    assert not reads, reads
+
+
 def test_blocks_of_rows_cost_the_host_few_ops_each():
     """Each block of rows adds one tile's maths and no merge of its own (the blocks' sums
     are rescaled together once): the forward's dispatched ops, the host's kernel launches
