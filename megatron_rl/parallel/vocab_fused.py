@@ -5,9 +5,9 @@ logits' gradient in the weight's dtype.
 `parallel.vocab._chunk_logits_grad`, the eager form, works in place to hold few chunk-sized
 tensors, but each of its steps (shift, multiply-add, exp, multiply, the labels' fix-up) is
 a kernel of its own. Measured on an H200 (bench/gpu.md, 2026-11-28): compiled, a 441-token
-chunk of Qwen2.5's 152k vocabulary takes 0.24 ms. The forward's reductions are left eager: compiled they became one reduction
-kernel per chunk at 9.8 ms (441 rows of 152k columns: too few rows to fill the GPU), slower
-than the eager passes.
+chunk of Qwen2.5's 152k vocabulary takes 0.24 ms. The forward's reductions are left eager:
+compiled they became one reduction kernel per chunk at 9.8 ms (441 rows of 152k columns:
+too few rows to fill the GPU), slower than the eager passes.
 
 The maths is `vocab._ChunkedLogProbsEntropy`'s; a CPU test holds the two forms equal, the GPU
 test the compiled one to fp32 logits.
