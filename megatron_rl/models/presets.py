@@ -15,6 +15,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(_QWEN2, num_hidden_layers=4, hidden_size=128, intermediate_size=352,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
                  tie_word_embeddings=False),
+    # tiny's width 24 layers deep: at a few tokens a step is all host time (Python per module
+    # and per op), as a GPU's is at short sequences; the host-bound benchmark shape.
+    "tiny-deep": dict(_QWEN2, num_hidden_layers=24, hidden_size=64, intermediate_size=176,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500,
+                      tie_word_embeddings=False),
     "qwen2.5-0.5b": dict(_QWEN2, num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                          tie_word_embeddings=True),
