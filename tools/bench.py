@@ -30,6 +30,10 @@ BENCHMARKS = {
         "tools.bench_long_cot",
         "long-tailed CoT batch: token-budget micro-batches vs padding to the longest, tokens/s",
     ),
+    "head": (
+        "tools.bench_head",
+        "a tile of the chunked log-prob head's forward: its sums eager vs compiled, ms",
+    ),
     "rewards": (
         "tools.bench_rewards",
         "math reward samples/s: math_verify (symbolic) vs fast, inline and with the Ray pool",

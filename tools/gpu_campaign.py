@@ -24,6 +24,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       beside the full one (`--lora-rank 16`)
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
                       0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
+- head_tile:          `tools.bench head`: one tile of the chunked head's forward, its sums
+                      eager against compiled (Triton), dynamic and static shapes
 - long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
                       micro-batches vs the peer padding every row to the longest
 - train_step_fp8:     the same with FP8 GEMMs, needs Transformer Engine
@@ -179,6 +181,14 @@ def parts(work: Path) -> list[Part]:
             (*train_step[:-1], "16384", "--micro-batch-size", "1", "--num-microbatches", "1",
              "--steps", "1", "--warmup", "1", "--apart", "--profile", *results),
             needs=MEGATRON + PEER,
+        ),
+        # one tile of the head's forward (8,192 tokens x 8,192 rows, qwen2.5-0.5b's width):
+        # its sums eager, as the head runs them, against compiled with dynamic / static shapes
+        Part(
+            "head_tile",
+            ("tools.bench", "head", "--tokens", "8192", "--rows", "8192", "--hidden", "896",
+             "--dtype", "bf16", *results),
+            needs=("triton",), timeout_s=300,
         ),
         Part(
             "long_cot_peer",

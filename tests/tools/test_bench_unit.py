@@ -102,3 +102,39 @@ def test_megatron_own_puts_megatron_functions_back_within_and_ours_after():
         assert layers.linear_with_frozen_weight is ours[0].megatron_fn  # nothing swapped
     finally:
         layers.linear_with_frozen_weight = ours[0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_head_benchmarks_compiler_form_gives_the_heads_eager_sums(temperature):
+    """`tools.bench head`'s fused form of a tile's sums, uncompiled, against the head's own
+    (`vocab._chunk_sums`): labels inside the tile's rows and in other tiles' (below, above)."""
+    import torch
+
+    from megatron_rl.parallel import vocab
+    from tools.bench_head import tile_sums
+
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randn(13, 40, generator=g) * 4
+    labels = torch.tensor([-40, -1, 0, 5, 39, 40, 79, 3, 3, 17, -7, 50, 1])
+    want = torch.stack(vocab._chunk_sums(raw.clone() / temperature, labels))
+    got = tile_sums(raw, labels, temperature)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    here = (labels >= 0) & (labels < 40)
+    assert (got[3] != 0).tolist() == here.tolist()  # the label's logit only where it lies
+
+
+def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_path):
+    """One compiled arm (compiled on this CPU), checked equal to eager before it is timed."""
+    import json
+
+    from tools.bench_head import main
+
+    out = tmp_path / "results.jsonl"
+    args = ["--tokens", "24", "--rows", "96", "--hidden", "8", "--temperature", "0.8"]
+    main([*args, "--compiled", "dynamic", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["bench"] == "head" and (row["tokens"], row["rows"]) == (24, 96)
+    for arm in ("gemm", "eager", "compiled_dynamic"):
+        assert row[f"{arm}_ms"] > 0
+    assert "compiled_static_ms" not in row and "compiled_dynamic_error" not in row
+    assert row["eager_sums_ms"] == pytest.approx(row["eager_ms"] - row["gemm_ms"], abs=1e-3)

@@ -1,0 +1,114 @@
+"""Benchmark: one tile of the chunked log-prob head's forward (`parallel/vocab.py`), its GEMM
+then its per-token sums (the max, the sum of exponentials, the entropy's sum and the label's
+logit), eager as the head runs them against the same sums compiled (`torch.compile`; Triton
+on CUDA), with dynamic and with static shapes, alternating in this process.
+
+    python -m tools.bench head [--tokens 8192 --rows 8192 --hidden 896 --dtype bf16]
+
+The head leaves these sums eager because a compiled form was slower on an H200: 9.8 ms a
+chunk of 441 tokens x 152k rows (bench/gpu.md, 2026-11-28), where the eager passes took
+about 1 ms. Its tiles are now thousands of tokens by thousands of rows (`parallel/tiles.py`),
+a row reduction with work for every SM, and the eager form makes about ten passes over a
+tile where a fused one needs two: this measures whether compiling still loses. Each
+compiled arm's sums are checked equal to the eager ones first. One JSON line: milliseconds
+a tile for the GEMM alone and for each arm, the sums' share (arm minus GEMM), each compiled
+arm's speed-up over eager there (> 1: compiled is faster), and the eager sums' bandwidth
+counted as one read of the fp32 tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_rl.parallel import vocab
+from tools.bench_common import alternate, record
+
+
+def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[4, C]: `vocab._chunk_sums` of the tempered tile raw / T [C, R] (m, s, d, the label's
+    logit or 0 where this tile's rows do not hold it), written for the compiler: compiled,
+    its reductions read the tile and write nothing of its size."""
+    logits = raw / temperature
+    m = logits.amax(dim=-1)
+    shifted = logits - m[:, None]
+    e = torch.exp(shifted)
+    cols = torch.arange(raw.shape[1], device=raw.device)
+    picked = torch.where(cols[None, :] == local_labels[:, None], logits, 0.0).sum(dim=-1)
+    return torch.stack([m, e.sum(dim=-1), (e * shifted).sum(dim=-1), picked])
+
+
+COMPILED = ("dynamic", "static")
+SAME_SUMS = {"rtol": 1e-5, "atol": 1e-4}
+"""fp32 sums of a tile's rows taken in another order, their exponentials by another kernel."""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192, help="the tile's tokens")
+    p.add_argument("--rows", type=int, default=8192, help="the tile's vocabulary rows")
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument(
+        "--compiled",
+        nargs="*",
+        choices=COMPILED,
+        default=list(COMPILED),
+        help="the compiled arms (the flag with no names: the GEMM and eager arms alone)",
+    )
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="bench/results.jsonl")
+    a = p.parse_args(argv)
+    if min(a.tokens, a.rows, a.hidden) < 1 or a.temperature <= 0:
+        raise SystemExit("--tokens, --rows and --hidden are >= 1, --temperature > 0")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(a.tokens, a.hidden, generator=g, device=device).to(dtype)
+    w = (torch.randn(a.rows, a.hidden, generator=g, device=device) * 0.05).to(dtype)
+    # a third of the labels in this tile's rows, the rest in other tiles' (below and above)
+    labels = torch.randint(-a.rows, 2 * a.rows, (a.tokens,), generator=g, device=device)
+    t = a.temperature
+
+    def gemm():
+        return vocab._chunk_logits(h, w, 1.0)
+
+    def eager():
+        return torch.stack(vocab._chunk_sums(vocab._chunk_logits(h, w, t), labels))
+
+    arms = {"gemm": gemm, "eager": eager}
+    result = {"tokens": a.tokens, "rows": a.rows, "hidden": a.hidden, "dtype": a.dtype}
+    want = eager()
+    for shapes in a.compiled:
+        fused = torch.compile(tile_sums, dynamic=shapes == "dynamic", fullgraph=True)
+        try:
+            got = fused(gemm(), labels, t)
+        except Exception as e:  # noqa: BLE001 - a compiler failure is this arm's result
+            result[f"compiled_{shapes}_error"] = f"{type(e).__name__}: {e}"[:500]
+            continue
+        torch.testing.assert_close(got, want, **SAME_SUMS)
+        arms[f"compiled_{shapes}"] = lambda fused=fused: fused(gemm(), labels, t)
+
+    median = alternate(arms, a.steps, a.warmup)
+    for name, seconds in median.items():
+        result[f"{name}_ms"] = round(seconds * 1e3, 4)
+    sums = {name: median[name] - median["gemm"] for name in arms if name != "gemm"}
+    for name, seconds in sums.items():
+        result[f"{name}_sums_ms"] = round(seconds * 1e3, 4)
+    for shapes in a.compiled:
+        if f"compiled_{shapes}" in sums and sums[f"compiled_{shapes}"] > 0:
+            speed = sums["eager"] / sums[f"compiled_{shapes}"]
+            result[f"speed_compiled_{shapes}_over_eager"] = round(speed, 4)
+    if sums["eager"] > 0:
+        result["eager_sums_gb_per_s_one_read"] = round(
+            4 * a.tokens * a.rows / sums["eager"] / 1e9, 2
+        )
+    record("head", result, a.out)
+
+
+if __name__ == "__main__":
+    main()
