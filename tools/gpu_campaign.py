@@ -24,6 +24,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       beside the full one (`--lora-rank 16`)
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
                       0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
+- profile_2k, profile_16k: one more step of each arm under torch.profiler (`--profile`): the
+                      costliest kernels, the device's busy share, the host's synchronisations
 - head_tile:          `tools.bench head`: one tile of the chunked head's forward, its sums
                       eager against compiled (Triton), dynamic and static shapes
 - long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
