@@ -455,8 +455,8 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
     run = as_value_pretraining_ended(vapo_run, tmp_path / "run")
     root = run / "checkpoints"
     overrides = vapo_overrides(tiny_model_dir, labelled_prompts)
-    # a grace time no save on 2 CPU cores fits in: each save says so
-    overrides += [f"trainer.save_interval={save_interval}", "trainer.stop_grace_s=1"]
+    # a grace time no save fits in, on any machine: each save says so
+    overrides += [f"trainer.save_interval={save_interval}", "trainer.stop_grace_s=0.01"]
     stop = tmp_path / "stop"
     first = run_torchrun(
         "tests.torchrun.stop_in_phase",
@@ -492,7 +492,7 @@ def test_a_stop_request_mid_step_saves_the_steps_start_and_the_resume_redoes_it_
         assert f"step {step - 1} is the newest checkpoint already: nothing to save" in first
     else:
         assert f"saved checkpoint {boundary}" in first, first[-4000:]
-        assert "more than half of trainer.stop_grace_s=1:" in first
+        assert "more than half of trainer.stop_grace_s=0.01:" in first
     assert (root / "latest").read_text() == boundary.name
     state = json.loads((boundary / "trainer_state.json").read_text())
     assert state["step"] == step - 1
