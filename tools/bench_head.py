@@ -40,8 +40,9 @@ def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float)
 
 
 COMPILED = ("dynamic", "static")
-SAME_SUMS = {"rtol": 1e-5, "atol": 1e-4}
-"""fp32 sums of a tile's rows taken in another order, their exponentials by another kernel."""
+SAME_SUMS = {"rtol": 1e-4, "atol": 1e-4}
+"""fp32 sums of thousands of terms a row, taken in another order, their exponentials by another
+kernel: about sqrt(terms) roundings of 6e-8 each apart (3e-5 seen at 8,192 on a CPU)."""
 
 
 def main(argv=None) -> None:
