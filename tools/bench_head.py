@@ -10,10 +10,11 @@ chunk of 441 tokens x 152k rows (bench/gpu.md, 2026-11-28), where the eager pass
 about 1 ms. Its tiles are now thousands of tokens by thousands of rows (`parallel/tiles.py`),
 a row reduction with work for every SM, and the eager form makes about ten passes over a
 tile where a fused one can make two: this measures whether compiling still loses. Each
-compiled arm's sums are checked equal to the eager ones first. One JSON line: milliseconds
-a tile for the GEMM alone and for each arm, the sums' share (arm minus GEMM), each compiled
-arm's speed-up over eager there (> 1: compiled is faster), and the eager sums' bandwidth
-counted as one read of the fp32 tile.
+compiled arm's sums are checked equal to the eager ones first. The arm `eager_logprobs` takes
+the eager sums without the entropy's (`calculate_entropy=False`: what the log-probs of an old
+policy, a reference or a teacher cost). One JSON line: milliseconds a tile for the GEMM alone
+and for each arm, the sums' share (arm minus GEMM), each other arm's speed-up over eager
+there (> 1: faster), and the eager sums' bandwidth counted as one read of the fp32 tile.
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def main(argv=None) -> None:
     def eager():
         return torch.stack(vocab._chunk_sums(vocab._chunk_logits(h, w, t), labels))
 
-    arms = {"gemm": gemm, "eager": eager}
+    def eager_logprobs():  # the log-probs alone (an old policy's, a reference's): no entropy
+        logits = vocab._chunk_logits(h, w, t)
+        return torch.stack(vocab._chunk_sums(logits, labels, calculate_entropy=False))
+
+    arms = {"gemm": gemm, "eager": eager, "eager_logprobs": eager_logprobs}
     result = {"tokens": a.tokens, "rows": a.rows, "hidden": a.hidden, "dtype": a.dtype}
     want = eager()
     for shapes in a.compiled:

@@ -133,7 +133,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, temperature, tile):
+    def forward(ctx, hidden, weight, labels, vocab_size, temperature, tile, calculate_entropy):
         rank, tp_size, group = _tp()
         ctx.full_rows = weight.shape[0]
         first = rank * weight.shape[0]
@@ -141,12 +141,14 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         chunk, block = tile
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(lse)
+        entropy = torch.empty_like(lse) if calculate_entropy else None
         target = torch.empty_like(lse)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h, local_labels = hidden[start:end], labels[start:end] - first
-            m, s, d, picked = _row_block_sums(h, weight, local_labels, temperature, block)
+            m, s, d, picked = _row_block_sums(
+                h, weight, local_labels, temperature, block, calculate_entropy
+            )
             if tp_size > 1:  # every slice's sums, rescaled to the global max
                 top = m.clone()
                 torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -155,7 +157,8 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 m, (s, d, picked) = top, sums
             log_s = torch.log(s)
             lse[start:end], target[start:end] = m + log_s, picked
-            entropy[start:end] = log_s - d / s
+            if calculate_entropy:
+                entropy[start:end] = log_s - d / s
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
         ctx.temperature, ctx.tile, ctx.first = temperature, tile, first
@@ -185,8 +188,9 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 g_lp = None if grad_logprobs is None else grad_logprobs[start:end] / t
                 g_h = None if grad_entropy is None else grad_entropy[start:end] / t
                 if fused is not None:
-                    zeros = entropy.new_zeros(end - start)
+                    zeros = lse.new_zeros(end - start)
                     g_lp, g_h = (zeros if g is None else g for g in (g_lp, g_h))
+                    h_of = zeros if entropy is None else entropy[start:end]
                 into = None
                 if grad_hidden is not None:
                     into = acc[: end - start] if summed else grad_hidden[start:end]
@@ -198,7 +202,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                             lse[start:end],
                             g_lp,
                             g_h,
-                            entropy[start:end],
+                            h_of,
                             local_labels - row,
                             t,
                             weight.dtype,
@@ -208,7 +212,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                             _chunk_logits(h, w, t).sub_(lse[start:end, None]),  # log p
                             g_lp,
                             g_h,
-                            entropy[start:end],
+                            None if g_h is None else entropy[start:end],
                             local_labels - row,
                             weight.dtype,
                         )
@@ -220,20 +224,24 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                     grad_hidden[start:end] = into
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _row_block_sums(h, weight, local_labels, temperature: float, block: int):
+def _row_block_sums(
+    h, weight, local_labels, temperature: float, block: int, calculate_entropy: bool = True
+):
     """(m, s, d, picked), each [C], of the tokens `h` [C, h] over all of `weight`'s rows, a
-    block of `block` rows at a time (`_chunk_sums`). Each block writes its four sums into
-    one [4, blocks, C] buffer, rescaled to their common max once at the end: a handful of
-    ops per block, launched from the host, where merging block by block took twice as many."""
+    block of `block` rows at a time (`_chunk_sums`; d = 0 without `calculate_entropy`). Each
+    block writes its four sums into one [4, blocks, C] buffer, rescaled to their common max
+    once at the end: a handful of ops per block, launched from the host, where merging block
+    by block took twice as many."""
     rows = weight.shape[0]
     starts = range(0, max(rows, 1), block)  # one empty block where no rows are real
     sums = torch.empty(4, len(starts), h.shape[0], dtype=torch.float32, device=h.device)
     for i, row in enumerate(starts):
         logits = _chunk_logits(h, weight[row : row + block], temperature)
-        _chunk_sums(logits, local_labels - row if row else local_labels, out=sums[:, i])
+        labels_here = local_labels - row if row else local_labels
+        _chunk_sums(logits, labels_here, out=sums[:, i], calculate_entropy=calculate_entropy)
     if len(starts) == 1:
         return sums[:, 0].unbind(0)
     m, s, d, picked = sums
@@ -242,10 +250,12 @@ def _row_block_sums(h, weight, local_labels, temperature: float, block: int):
     return top, s.sum(dim=0), d.sum(dim=0), picked.sum(dim=0)  # one block holds each label
 
 
-def _chunk_sums(logits, local_labels, out=None):
+def _chunk_sums(logits, local_labels, out=None, calculate_entropy: bool = True):
     """Over one tile of fp32 logits [C, R] (consumed): the max m, s = sum exp(l - m),
-    d = sum exp(l - m) (l - m) and each label's logit where the tile's rows hold it (else 0),
-    each [C], written into the rows of `out` [4, C] (new where None)."""
+    d = sum exp(l - m) (l - m) (0 without `calculate_entropy`, which saves a product and a
+    sum over the tile, four of its eleven passes with the GEMM's) and each label's logit where
+    the tile's rows hold it (else 0), each [C], written into the rows of `out` [4, C] (new
+    where None)."""
     c, rows = logits.shape
     if out is None:
         out = logits.new_empty(4, c)
@@ -259,6 +269,10 @@ def _chunk_sums(logits, local_labels, out=None):
     torch.mul(label_logits, here, out=picked)  # finite logits: x * 0 = 0
     torch.amax(logits, dim=-1, out=m)
     shifted = logits.sub_(m[:, None])
+    if not calculate_entropy:
+        torch.sum(shifted.exp_(), dim=-1, out=s)
+        d.zero_()
+        return m, s, d, picked
     e = torch.exp(shifted)
     torch.sum(e, dim=-1, out=s)
     # a product in place and a sum: a batched GEMV (bmm) reads the two at a fraction of the
@@ -359,7 +373,8 @@ def chunked_logprobs_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     tile: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    calculate_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(labels), entropy) under softmax(hidden @ weight^T / temperature), without ever
     materialising the [tokens, V/tp] logits: a tile of (tokens, vocabulary rows) at a time
     (default `tiles.tile_shape`: `TILE_ELEMENTS` fp32 logits), recomputed in backward.
@@ -367,7 +382,9 @@ def chunked_logprobs_entropy(
     hidden: [..., h] (the output layer's input, whole sequence, in the weight's dtype);
     weight: [V/tp, h] this TP rank's vocabulary slice; labels: [...] ids < vocab_size.
     Returns two fp32 tensors shaped like `labels`, equal to `vocab_parallel_logprobs` and
-    `vocab_parallel_entropy` of the full logits, gradients included.
+    `vocab_parallel_entropy` of the full logits, gradients included; the entropy is None
+    without `calculate_entropy` (verl's name), which spares each tile a product and a sum
+    (the log-probs of a rollout's old policy, reference or teacher need no entropy).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -381,5 +398,6 @@ def chunked_logprobs_entropy(
         vocab_size,
         temperature,
         tile or tile_shape(labels.numel(), weight.shape[0]),
+        calculate_entropy,
     )
-    return logprobs.view(shape), entropy.view(shape)
+    return logprobs.view(shape), None if entropy is None else entropy.view(shape)

@@ -37,21 +37,26 @@ def token_logprobs_entropy(
     mb: TrainingBatch,
     vocab_size: int,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    calculate_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last stage's hidden states ([B, S, h], or [1, T, h] packed) and the vocab-sharded
     projection [V/tp, h] -> the log-probs [B, S] of each token of `mb` given its prefix and
-    the entropy of the distribution it was drawn from, aligned to tokens, under
-    softmax(logits / temperature); the logits are made a tile at a time and never whole
-    (`parallel.vocab.chunked_logprobs_entropy`)."""
+    the entropy of the distribution it was drawn from (None without `calculate_entropy`),
+    aligned to tokens, under softmax(logits / temperature); the logits are made a tile at a
+    time and never whole (`parallel.vocab.chunked_logprobs_entropy`)."""
     if mb.packing is not None:
         labels = mb.packing.next_tokens()
-        logprobs, entropy = chunked_logprobs_entropy(
-            hidden, weight, labels, vocab_size, temperature
-        )
-        return mb.packing.to_tokens(logprobs), mb.packing.to_tokens(entropy)
-    labels = torch.roll(mb.input_ids, -1, dims=1)  # the last column's label is never read
-    logprobs, entropy = chunked_logprobs_entropy(hidden, weight, labels, vocab_size, temperature)
-    return shift_to_tokens(logprobs[:, :-1]), shift_to_tokens(entropy[:, :-1])
+        to_tokens = mb.packing.to_tokens
+    else:
+        labels = torch.roll(mb.input_ids, -1, dims=1)  # the last column's label is never read
+
+        def to_tokens(x):
+            return shift_to_tokens(x[:, :-1])
+
+    logprobs, entropy = chunked_logprobs_entropy(
+        hidden, weight, labels, vocab_size, temperature, calculate_entropy=calculate_entropy
+    )
+    return to_tokens(logprobs), None if entropy is None else to_tokens(entropy)
 
 
 def _policy_chunks(model: RoleModel) -> list:
@@ -91,7 +96,7 @@ class _LogProbs:
 
         def collect(mb, hidden):  # the last pipeline stage's
             weight = output_weight(self.chunks)
-            return token_logprobs_entropy(hidden, weight, mb, vocab, t)[0]
+            return token_logprobs_entropy(hidden, weight, mb, vocab, t, calculate_entropy=False)[0]
 
         out = self.forward_collect(batch, num_microbatches, collect, max_tokens, hooks)
         self.routing_metrics = hooks.mismatch_metrics(self.arch.num_layers) if record else {}

@@ -67,6 +67,28 @@ def test_bf16_tiles_are_as_close_to_fp32_logits_as_whole_bf16_logits(tile):
         assert (got - want).abs().max() <= 2 * (bf16 - want).abs().max()
 
 
+@pytest.mark.parametrize("tile", [None, (16, 333), (45, 1)])
+def test_log_probs_alone_equal_those_with_the_entropy(tile):
+    """`calculate_entropy=False` (an old policy's, a reference's log-probs): no entropy, the
+    same log-probs and gradients, one tile's sums and blocks of rows' merged alike."""
+    hidden, weight, labels, coef = _inputs(torch.float32)
+    want = _run(hidden, weight, labels, coef, tile, entropy_in_loss=False)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = vocab.chunked_logprobs_entropy(
+        h, w, labels, VOCAB, 0.8, tile=tile, calculate_entropy=False
+    )
+    assert ent is None
+    (coef[0] * lp).sum().backward()
+    got = {"logprobs": lp.detach(), "hidden": h.grad, "weight": w.grad}
+    for (name, a), b in zip(got.items(), (want[0], *want[2:]), strict=True):
+        assert_close(a, b, FP32_MODEL, f"{tile} {name}")
+    m, s, d, picked = vocab._chunk_sums(hidden @ weight.t(), labels, calculate_entropy=False)
+    assert not d.any()
+    full = vocab._chunk_sums(hidden @ weight.t(), labels)
+    for name, a, i in (("max", m, 0), ("sum of exponentials", s, 1), ("label's", picked, 3)):
+        assert_close(a, full[i], FP32_MODEL, name)
+
+
 def test_a_tile_of_no_tokens_or_rows_is_refused():
     hidden, weight, labels, _ = _inputs(torch.float32)
     with pytest.raises(ValueError, match=r"\(tokens, rows\) >= 1, got \(0, 5\)"):

@@ -134,7 +134,7 @@ def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_pat
     main([*args, "--compiled", "dynamic", "--steps", "2", "--warmup", "1", "--out", str(out)])
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["bench"] == "head" and (row["tokens"], row["rows"]) == (24, 96)
-    for arm in ("gemm", "eager", "compiled_dynamic"):
+    for arm in ("gemm", "eager", "eager_logprobs", "compiled_dynamic"):
         assert row[f"{arm}_ms"] > 0
     assert "compiled_static_ms" not in row and "compiled_dynamic_error" not in row
     assert row["eager_sums_ms"] == pytest.approx(row["eager_ms"] - row["gemm_ms"], abs=1e-3)

@@ -3,7 +3,7 @@
 value and in the gradients of the hidden states and the projection, at TP2 and TP1 (DP2),
 with a padded vocabulary, a temperature, tiles of 1 or 7 tokens over all of a rank's rows,
 blocks of 50 rows (the last one shorter) or of one row, and one tile of everything, and with
-the entropy in the loss or not.
+the entropy in the loss, out of it, or not calculated (`calculate_entropy=False`: None).
 
 Each rank writes {layout}_{rank}.pt: {case: {"chunked": {...}, "full": {...}}} with
 logprobs, entropy, grad_hidden, grad_weight.
@@ -24,11 +24,12 @@ from megatron_rl.parallel.vocab import (
 from megatron_rl.procutil import exit_now
 
 VOCAB, PADDED, HIDDEN, TOKENS = 250, 256, 32, (3, 10)
-CASES = {  # name: ((tokens, vocabulary rows) of a tile, temperature, entropy in the loss)
-    "one_token_tiles": ((1, PADDED), 1.0, True),
-    "tiles_of_7_by_50_tempered": ((7, 50), 0.7, True),
-    "one_row_blocks": ((30, 1), 1.0, True),
-    "one_tile_no_entropy_grad": (None, 1.3, False),
+CASES = {  # name: ((tokens, vocabulary rows) of a tile, temperature, the entropy)
+    "one_token_tiles": ((1, PADDED), 1.0, "in_loss"),
+    "tiles_of_7_by_50_tempered": ((7, 50), 0.7, "in_loss"),
+    "one_row_blocks": ((30, 1), 1.0, "in_loss"),
+    "one_tile_no_entropy_grad": (None, 1.3, "not_in_loss"),
+    "log_probs_alone_tiles_of_7_by_50": ((7, 50), 0.7, "not_calculated"),
 }
 LAYOUTS = {
     "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
@@ -37,24 +38,24 @@ LAYOUTS = {
 
 
 def run(case, hidden, weight, labels, coef_lp, coef_h, chunked: bool):
-    tile, temperature, entropy_in_loss = CASES[case]
+    tile, temperature, how = CASES[case]
     hidden = hidden.clone().requires_grad_(True)
     weight = weight.clone().requires_grad_(True)
     if chunked:
         logprobs, entropy = chunked_logprobs_entropy(
-            hidden, weight, labels, VOCAB, temperature, tile
+            hidden, weight, labels, VOCAB, temperature, tile, how != "not_calculated"
         )
     else:
         logits = hidden @ weight.t()
         logprobs = vocab_parallel_logprobs(logits, labels, VOCAB, temperature)
         entropy = vocab_parallel_entropy(logits, VOCAB, temperature)
     loss = (coef_lp * logprobs).sum()
-    if entropy_in_loss:
+    if how == "in_loss":
         loss = loss + (coef_h * entropy).sum()
     loss.backward()
     return {
         "logprobs": logprobs.detach(),
-        "entropy": entropy.detach(),
+        "entropy": None if entropy is None else entropy.detach(),
         "grad_hidden": hidden.grad,
         "grad_weight": weight.grad,
     }
