@@ -20,6 +20,7 @@ there (> 1: faster), and the eager sums' bandwidth counted as one read of the fp
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 import torch
 
@@ -38,6 +39,30 @@ def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float)
     cols = torch.arange(raw.shape[1], device=raw.device)
     picked = torch.where(cols[None, :] == local_labels[:, None], logits, 0.0).sum(dim=-1)
     return torch.stack([m, e.sum(dim=-1), (e * shifted).sum(dim=-1), picked])
+
+
+@contextmanager
+def compiled_head_forward():
+    """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
+    `tile_sums` compiled with dynamic shapes (micro-batches vary in length), as the head
+    would if it adopted them; `tools.bench train_step --compiled-head-forward` times the
+    whole update so. The entropy's sum is taken whether asked for or not."""
+    fused = torch.compile(tile_sums, dynamic=True, fullgraph=True)
+    eager = vocab._chunk_sums
+
+    def sums(logits, local_labels, out=None, calculate_entropy=True):
+        if logits.shape[1] == 0:  # a rank holding only vocabulary padding
+            return eager(logits, local_labels, out, calculate_entropy)
+        got = fused(logits, local_labels, 1.0)  # the head's tiles come tempered
+        if out is None:
+            return got.unbind(0)
+        return out.copy_(got).unbind(0)
+
+    vocab._chunk_sums = sums
+    try:
+        yield
+    finally:
+        vocab._chunk_sums = eager
 
 
 COMPILED = ("dynamic", "static")

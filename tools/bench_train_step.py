@@ -24,6 +24,9 @@ update with that part put back to megatron-core's own function while the arm run
 (`linear`: `models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE;
 `swiglu`: `models/swiglu.py`'s activation, against megatron's unfused one), and its
 `speed_ppo_over_megatron_<name>` (> 1: ours is faster).
+`--compiled-head-forward` adds `ppo_update_compiled_head_forward`: the same update with the
+chunked head's tile sums compiled (`tools/bench_head.py`), and its
+`speed_compiled_head_forward_over_eager` (> 1: compiled is faster).
 `--profile` adds one more step of each arm under torch.profiler: its costliest kernels
 printed, the kernels' summed time, their share of the step's wall time (how busy the GPU
 was) and the host's synchronisations.
@@ -60,6 +63,7 @@ from megatron_rl.workers.policy import Actor
 from megatron_rl.workers.schedule import run_schedule
 from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record, timed
+from tools.bench_head import compiled_head_forward
 from tools.bench_peer import PEER_PRECISIONS, peer_step
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -130,7 +134,13 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
     actor.optimizer.step()
 
 
-ARMS = ("plain_megatron", "ppo_update", "ppo_update_lora", "peer_hf")
+ARMS = (
+    "plain_megatron",
+    "ppo_update",
+    "ppo_update_compiled_head_forward",
+    "ppo_update_lora",
+    "peer_hf",
+)
 
 
 def main(argv=None) -> None:
@@ -172,6 +182,12 @@ def main(argv=None) -> None:
         help="add the update with these parts put back to megatron-core's own functions",
     )
     p.add_argument(
+        "--compiled-head-forward",
+        action="store_true",
+        help="add the update with the chunked head's tile sums compiled (torch.compile, "
+        "dynamic shapes; `tools.bench head`'s form) instead of eager",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the timed steps, one more step of each arm under torch.profiler: its top "
@@ -197,6 +213,7 @@ def main(argv=None) -> None:
     baseline = resident_bytes()
     skipped = {"peer_hf"} if a.peer == "none" else set()
     skipped |= set() if a.lora_rank else {"ppo_update_lora"}
+    skipped |= set() if a.compiled_head_forward else {"ppo_update_compiled_head_forward"}
     names = [a.arm] if a.arm else [n for n in ARMS if n not in skipped]
     sequences = a.micro_batch_size * a.num_microbatches
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
@@ -267,6 +284,10 @@ def main(argv=None) -> None:
         result[f"speed_ppo_over_megatron_{part}"] = round(
             median[f"ppo_update_megatron_{part}"] / median["ppo_update"], 4
         )
+    if {"ppo_update", "ppo_update_compiled_head_forward"} <= set(median):
+        result["speed_compiled_head_forward_over_eager"] = round(
+            median["ppo_update"] / median["ppo_update_compiled_head_forward"], 4
+        )
     if {"ppo_update", "peer_hf"} <= set(median):
         # tokens/s of ours over the peer's (> 1: ours is faster)
         result["speed_ppo_over_peer"] = round(median["peer_hf"] / median["ppo_update"], 4)
@@ -290,12 +311,19 @@ def build_arms(names, arch, layout, a, batch) -> dict:
         params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
     )
     loss_cfg = PolicyLossConfig(nll_coef=0.1)
-    if {"plain_megatron", "ppo_update"} & set(names):
+    if {"plain_megatron", "ppo_update", "ppo_update_compiled_head_forward"} & set(names):
         actor = Actor(RoleModel(arch, layout, precision=precision), optim=OptimConfig())
         if "plain_megatron" in names:
             arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)
         if "ppo_update" in names:
             arms["ppo_update"] = lambda: actor.update(batch, loss_cfg, a.num_microbatches)
+        if "ppo_update_compiled_head_forward" in names:
+
+            def compiled():
+                with compiled_head_forward():
+                    return actor.update(batch, loss_cfg, a.num_microbatches)
+
+            arms["ppo_update_compiled_head_forward"] = compiled
     if "ppo_update_lora" in names:
         lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
         model = RoleModel(arch, layout, precision=precision, lora=lora)

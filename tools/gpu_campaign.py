@@ -25,7 +25,9 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
                       0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
 - profile_2k, profile_16k: one more step of each arm under torch.profiler (`--profile`): the
-                      costliest kernels, the device's busy share, the host's synchronisations
+                      costliest kernels, the device's busy share, the host's synchronisations;
+                      at 16k also the update with the head's tile sums compiled
+                      (`--compiled-head-forward`)
 - head_tile:          `tools.bench head`: one tile of the chunked head's forward, its sums
                       eager against compiled (Triton), dynamic and static shapes
 - long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
@@ -178,10 +180,12 @@ def parts(work: Path) -> list[Part]:
         # of each arm (top kernels, the device's busy share, host synchronisations)
         Part("profile_2k", (*train_step, "--steps", "2", "--profile", *results),
              needs=MEGATRON + PEER),
+        # at 16k also the update with the head's tile sums compiled (an arm of its own)
         Part(
             "profile_16k",
             (*train_step[:-1], "16384", "--micro-batch-size", "1", "--num-microbatches", "1",
-             "--steps", "1", "--warmup", "1", "--apart", "--profile", *results),
+             "--steps", "1", "--warmup", "1", "--apart", "--profile",
+             "--compiled-head-forward", *results),
             needs=MEGATRON + PEER,
         ),
         # one tile of the head's forward (8,192 tokens x 8,192 rows, qwen2.5-0.5b's width):

@@ -138,3 +138,36 @@ def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_pat
         assert row[f"{arm}_ms"] > 0
     assert "compiled_static_ms" not in row and "compiled_dynamic_error" not in row
     assert row["eager_sums_ms"] == pytest.approx(row["eager_ms"] - row["gemm_ms"], abs=1e-3)
+
+
+def test_the_compiled_head_forward_gives_the_eager_heads_log_probs_entropy_and_gradients(
+    monkeypatch,
+):
+    """`tools.bench train_step --compiled-head-forward`'s arm: the head with its tiles' sums
+    compiled (on this CPU) gives what the eager head gives, over blocks of rows and tokens;
+    the eager sums are back afterwards."""
+    import torch
+
+    from megatron_rl.parallel import vocab
+    from tests.tolerances import FP32_MODEL, assert_close
+    from tools.bench_head import compiled_head_forward
+
+    monkeypatch.setattr(vocab, "_tp", lambda: (0, 1, None))  # TP1 without a process group
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(30, 16, generator=g), torch.randn(128, 16, generator=g) * 0.5
+    labels, coef = torch.randint(0, 100, (30,), generator=g), torch.randn(2, 30, generator=g)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = vocab.chunked_logprobs_entropy(h, w, labels, 100, 0.8, tile=(16, 40))
+        ((coef[0] * lp).sum() + (coef[1] * ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    eager_sums = vocab._chunk_sums
+    want = run()
+    with compiled_head_forward():
+        assert vocab._chunk_sums is not eager_sums
+        got = run()
+    assert vocab._chunk_sums is eager_sums
+    for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
+        assert_close(a, b, FP32_MODEL, name)
