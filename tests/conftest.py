@@ -7,6 +7,11 @@ import pytest
 import torch
 
 from examples.tiny_model import TinyModelSpec, make_tiny_model
+from megatron_rl.cpu_math import warm_up_vector_math
+
+
+def pytest_configure(config):
+    warm_up_vector_math()  # before any test's first parallel exp or log: see `cpu_math`
 
 
 @pytest.fixture(scope="session")

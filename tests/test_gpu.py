@@ -405,14 +405,15 @@ def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
     assert torch.cuda.max_memory_allocated() < 2 * 2**30
 
 
-@pytest.mark.parametrize("entropy_in_loss", [True, False])
+@pytest.mark.parametrize("entropy", ["in_loss", "not_in_loss", "not_calculated"])
 def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
-    single_rank, entropy_in_loss
+    single_rank, entropy
 ):
     """The tiled head in bf16 on CUDA (its backward's maths compiled where Triton is, the
     GEMMs writing fp32; tiles of 64 tokens x 300 rows: four blocks of rows) against the full
     logits in fp32 of the same bf16 inputs, and at most twice as far from them as whole bf16
-    logits, the unchunked head, are."""
+    logits, the unchunked head, are; the entropy in the loss, out of it, or not calculated
+    (`calculate_entropy=False`: the compiled backward without one)."""
     from torch.utils._triton import has_triton
 
     from megatron_rl.parallel import vocab, vocab_fused
@@ -436,14 +437,19 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     def run(how: str):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         if how == "chunked":
-            lp, ent = chunked_logprobs_entropy(h, w, labels, vocab, 0.8, tile=(64, 300))
+            calculate = entropy != "not_calculated"
+            lp, ent = chunked_logprobs_entropy(
+                h, w, labels, vocab, 0.8, tile=(64, 300), calculate_entropy=calculate
+            )
+            assert (ent is None) != calculate
         else:
             logits = h.float() @ w.float().t() if how == "fp32" else h @ w.t()
             lp = vocab_parallel_logprobs(logits, labels, vocab, 0.8)
             ent = vocab_parallel_entropy(logits, vocab, 0.8)
-        loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if entropy_in_loss else 0.0)
+        loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if entropy == "in_loss" else 0.0)
         loss.backward()
-        return lp.detach(), ent.detach(), h.grad.float(), w.grad.float()
+        kept = (lp, h.grad, w.grad) if entropy == "not_calculated" else (lp, ent, h.grad, w.grad)
+        return [x.detach().float() for x in kept]
 
     fp32, chunked, whole_bf16 = run("fp32"), run("chunked"), run("bf16")
     for got, bf16, want in zip(chunked, whole_bf16, fp32, strict=True):

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "megatron_rl",
         "megatron_rl.child_process",
+        "megatron_rl.cpu_math",
         "megatron_rl.fsutil",
         "megatron_rl.numerics",
         "megatron_rl.procutil",

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from megatron_rl.cpu_math import warm_up_vector_math
 from megatron_rl.parallel import cpu_compat, multi_tensor
 from megatron_rl.procutil import THREAD_ENV_VARS, free_port
 
@@ -197,6 +198,7 @@ def initialize(
     local_rank = _env_int("LOCAL_RANK", 0)
     layout.validate(world_size, arch)
 
+    warm_up_vector_math()  # before any parallel exp or log: see `cpu_math`
     compat = cpu_compat.apply()
     cpu_compat.define_missing_te_names()
     multi_tensor.use_foreach_kernels()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rl.cpu_math import warm_up_vector_math
+
 TRAINER, ENGINE = "trainer", "engine"
 
 
@@ -88,6 +90,7 @@ def initialize_role(placement: Placement, timeout_minutes: float = 30.0) -> tupl
     """Make this process's role's default group (gloo on CPU, NCCL on GPU) and set RANK /
     WORLD_SIZE to its rank and size in that role; returns (role, the job's store). Call it
     before `distributed.initialize` (trainers) or the engine (engine ranks)."""
+    warm_up_vector_math()  # an engine rank never calls `distributed.initialize`: see `cpu_math`
     rank = int(os.environ["RANK"])
     if int(os.environ["WORLD_SIZE"]) != placement.world_size:
         raise ValueError(

@@ -67,12 +67,18 @@ def test_bf16_tiles_are_as_close_to_fp32_logits_as_whole_bf16_logits(tile):
         assert (got - want).abs().max() <= 2 * (bf16 - want).abs().max()
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("tile", [None, (16, 333), (45, 1)])
-def test_log_probs_alone_equal_those_with_the_entropy(tile):
+def test_log_probs_alone_equal_those_with_the_entropy(tile, fused, monkeypatch):
     """`calculate_entropy=False` (an old policy's, a reference's log-probs): no entropy, the
-    same log-probs and gradients, one tile's sums and blocks of rows' merged alike."""
+    same log-probs and gradients, one tile's sums and blocks of rows' merged alike; the
+    backward's eager maths and its form for the compiler (CUDA's, run uncompiled here)."""
+    from megatron_rl.parallel import vocab_fused
+
     hidden, weight, labels, coef = _inputs(torch.float32)
     want = _run(hidden, weight, labels, coef, tile, entropy_in_loss=False)
+    if fused:
+        monkeypatch.setattr(vocab_fused, "compiled_grad", lambda _: vocab_fused.chunk_logits_grad)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, ent = vocab.chunked_logprobs_entropy(
         h, w, labels, VOCAB, 0.8, tile=tile, calculate_entropy=False
