@@ -20,6 +20,7 @@ there (> 1: faster), and the eager sums' bandwidth counted as one read of the fp
 from __future__ import annotations
 
 import argparse
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -41,13 +42,20 @@ def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float)
     return torch.stack([m, e.sum(dim=-1), (e * shifted).sum(dim=-1), picked])
 
 
+@functools.cache
+def _compiled_tile_sums():
+    """`tile_sums` compiled once a process, with dynamic shapes (each update enters
+    `compiled_head_forward` anew)."""
+    return torch.compile(tile_sums, dynamic=True, fullgraph=True)
+
+
 @contextmanager
 def compiled_head_forward():
     """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
     `tile_sums` compiled with dynamic shapes (micro-batches vary in length), as the head
     would if it adopted them; `tools.bench train_step --compiled-head-forward` times the
     whole update so. The entropy's sum is taken whether asked for or not."""
-    fused = torch.compile(tile_sums, dynamic=True, fullgraph=True)
+    fused = _compiled_tile_sums()
     eager = vocab._chunk_sums
 
     def sums(logits, local_labels, out=None, calculate_entropy=True):
