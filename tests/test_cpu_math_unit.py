@@ -48,8 +48,9 @@ def test_every_routed_function_exists_and_the_warm_up_runs_them_once():
 def test_after_the_warm_up_each_functions_first_parallel_call_is_exact():
     """Ten fresh processes, eight functions' first calls each, all within fp32 rounding.
     Without the warm-up, on a 2-core Intel Xeon, 5 processes of 20 got exp's first call
-    1.5e-4 off (one thread's share from MKL's low-accuracy kernel; fp32 rounds at 6e-8): a
-    missing warm-up fails here 19 times in 20. A machine without the race passes either way."""
+    1.5e-4 off (one thread's share from MKL's low-accuracy kernel; fp32 rounds at 6e-8): by
+    that rate a missing warm-up fails here about 19 times in 20 (0.75^10 passes). A machine
+    without the race passes either way."""
     for _ in range(10):
         worst = first_calls("warm")
         assert max(worst.values()) < 1e-6, worst

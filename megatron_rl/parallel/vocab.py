@@ -190,7 +190,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 if fused is not None:
                     zeros = lse.new_zeros(end - start)
                     g_lp, g_h = (zeros if g is None else g for g in (g_lp, g_h))
-                    h_of = zeros if entropy is None else entropy[start:end]
+                    entropy_here = zeros if entropy is None else entropy[start:end]
                 into = None
                 if grad_hidden is not None:
                     into = acc[: end - start] if summed else grad_hidden[start:end]
@@ -202,7 +202,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                             lse[start:end],
                             g_lp,
                             g_h,
-                            h_of,
+                            entropy_here,
                             local_labels - row,
                             t,
                             weight.dtype,
