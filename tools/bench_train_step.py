@@ -60,6 +60,7 @@ from megatron_rl.procutil import exit_now
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor
+from megatron_rl.workers.roles import set_training
 from megatron_rl.workers.schedule import run_schedule
 from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record, timed
@@ -117,8 +118,8 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
 
         return call
 
+    set_training(actor.chunks, True)
     for chunk in actor.chunks:
-        chunk.train()
         chunk.zero_grad_buffer()
     actor.optimizer.zero_grad()
     originals = [c.forward for c in actor.chunks]

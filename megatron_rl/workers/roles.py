@@ -43,6 +43,16 @@ the whole DP-global mini-batch (global token or sequence counts): the losses, an
 mini-batch's loss or mean, the numbers verl and OpenRLHF log."""
 
 
+def set_training(chunks: list, mode: bool) -> None:
+    """`train(mode)` on each of `chunks` whose own flag differs. The call sets the flag of
+    every submodule one by one (370 modules for a 24-layer model: 0.8 ms of host time on the
+    2-core CPU, per update and per forward pass); a chunk's flag says what its last
+    `train(mode)` set, since nothing here sets a submodule's alone."""
+    for chunk in chunks:
+        if chunk.training != mode:
+            chunk.train(mode)
+
+
 def _max_over_data_parallel(count: int) -> int:
     return int(data_parallel_max(torch.tensor([count], device=distributed.device())).item())
 
@@ -133,8 +143,7 @@ class MegatronRole:
         `split_micro_batches`) the entries past a row's last response token are 0: its
         micro-batch held padding there, or stopped before."""
         batch = batch.to(self.device)
-        for chunk in self.chunks:
-            chunk.eval()
+        set_training(self.chunks, False)
         micro, order = self.split(batch, num_microbatches, max_tokens)
         parts = run_schedule(
             self.chunks, micro, collect, forward_only=True, collect_outputs=True, hooks=hooks
@@ -246,8 +255,8 @@ class TrainableRole(MegatronRole):
 
         self.restore_offloaded()
         batch = batch.to(self.device)
+        set_training(self.chunks, True)
         for chunk in self.chunks:
-            chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         counts = global_token_counts(batch.response_mask, batch.scores)

@@ -23,6 +23,11 @@ def snapshot(chunks, arch):
     return {k: v.clone() for k, v in export_hf_tensors(chunks, arch)}
 
 
+def modes(role):
+    """The training flags of every module of the role's chunks (one value when they agree)."""
+    return sorted({m.training for c in role.chunks for m in c.modules()})
+
+
 def unchanged(before, after):
     return sorted(k for k in before if torch.equal(before[k], after[k]))
 
@@ -47,6 +52,7 @@ def main():
     critic_before = snapshot(critic.chunks, arch)
     ref_logprobs = reference.compute_logprobs(batch)
     actor_logprobs = actor.compute_logprobs(batch)
+    mode_sequence = [modes(actor)]
 
     def pg_loss_and_grad_norm(b):
         m = actor.compute_gradients(b, PolicyLossConfig(), 2)
@@ -56,8 +62,11 @@ def main():
         return m["pg_loss"], norm
 
     # Rollout-correction weights reach the gradient: all weights 3 -> loss and gradient x 3.
-    tis = [
-        pg_loss_and_grad_norm(batch),
+    tis = [pg_loss_and_grad_norm(batch)]
+    mode_sequence.append(modes(actor))
+    actor.compute_logprobs(batch)
+    mode_sequence.append(modes(actor))
+    tis += [
         pg_loss_and_grad_norm(
             batch.with_fields(rollout_is_weights=torch.full_like(batch.advantages, 3.0))
         ),
@@ -128,6 +137,7 @@ def main():
     summary = {
         "twins": twins,
         "tis": tis,
+        "mode_sequence": mode_sequence + [modes(actor)],
         "offloaded_bytes": offloaded_bytes,
         "after_offload": after_offload,
         "param_offload": param_offload,

@@ -173,6 +173,8 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     assert twins["ours"]["grad_norm"] == twins["megatron"][1] > 1e-3  # so every step clipped
     assert twins["weights_equal"] and twins["unchanged"] == 0
     (loss, norm), (weighted_loss, weighted_norm) = s["tis"]
+    # every module evaluates in eval mode and trains in train mode, however they alternate
+    assert s["mode_sequence"] == [[False], [True], [False], [True]]
     assert abs(loss) > 1e-4 and norm > 1e-4
     assert weighted_loss == pytest.approx(3 * loss, rel=1e-5)  # TIS weights scale the pg term
     assert weighted_norm == pytest.approx(3 * norm, rel=1e-4)  # ... and its gradient
