@@ -428,10 +428,10 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     # the gradients' GEMMs sum into fp32 accumulators in place (else: a bf16 product cast)
     assert vocab._fp32_gemm("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    vocab, padded, hidden_size, n = 1000, 1024, 64, 300
+    vocab_size, padded, hidden_size, n = 1000, 1024, 64, 300
     hidden = torch.randn(n, hidden_size, generator=g).cuda().bfloat16()
     weight = (torch.randn(padded, hidden_size, generator=g) * 0.3).cuda().bfloat16()
-    labels = torch.randint(0, vocab, (n,), generator=g).cuda()
+    labels = torch.randint(0, vocab_size, (n,), generator=g).cuda()
     coef = torch.randn(2, n, generator=g).cuda()
 
     def run(how: str):
@@ -439,13 +439,13 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
         if how == "chunked":
             calculate = entropy != "not_calculated"
             lp, ent = chunked_logprobs_entropy(
-                h, w, labels, vocab, 0.8, tile=(64, 300), calculate_entropy=calculate
+                h, w, labels, vocab_size, 0.8, tile=(64, 300), calculate_entropy=calculate
             )
             assert (ent is None) != calculate
         else:
             logits = h.float() @ w.float().t() if how == "fp32" else h @ w.t()
-            lp = vocab_parallel_logprobs(logits, labels, vocab, 0.8)
-            ent = vocab_parallel_entropy(logits, vocab, 0.8)
+            lp = vocab_parallel_logprobs(logits, labels, vocab_size, 0.8)
+            ent = vocab_parallel_entropy(logits, vocab_size, 0.8)
         loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if entropy == "in_loss" else 0.0)
         loss.backward()
         kept = (lp, h.grad, w.grad) if entropy == "not_calculated" else (lp, ent, h.grad, w.grad)
