@@ -133,11 +133,12 @@ def main():
     )
     nan_metrics = actor.update(nan_batch, cfg, 2)
     nan_unchanged = len(unchanged(before_nan, snapshot(actor.chunks, arch)))
+    mode_sequence.append(modes(actor))  # after an update, before the summary's forward passes
 
     summary = {
         "twins": twins,
         "tis": tis,
-        "mode_sequence": mode_sequence + [modes(actor)],
+        "mode_sequence": mode_sequence,
         "offloaded_bytes": offloaded_bytes,
         "after_offload": after_offload,
         "param_offload": param_offload,
