@@ -15,6 +15,9 @@ the eager sums without the entropy's (`calculate_entropy=False`: what the log-pr
 policy, a reference or a teacher cost). One JSON line: milliseconds a tile for the GEMM alone
 and for each arm, the sums' share (arm minus GEMM), each other arm's speed-up over eager
 there (> 1: faster), and the eager sums' bandwidth counted as one read of the fp32 tile.
+The arms `softmax` and `softmax_logprobs` take the same sums from torch's fused softmax
+(`softmax_sums`: seven passes over the tile with the GEMM's write where eager makes eleven, four
+without the entropy where eager makes seven), timed against `eager` and `eager_logprobs`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,55 @@ def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float)
     cols = torch.arange(raw.shape[1], device=raw.device)
     picked = torch.where(cols[None, :] == local_labels[:, None], logits, 0.0).sum(dim=-1)
     return torch.stack([m, e.sum(dim=-1), (e * shifted).sum(dim=-1), picked])
+
+
+def softmax_sums(logits, local_labels, out=None, calculate_entropy: bool = True):
+    """`vocab._chunk_sums` (same arguments; `logits` [C, R] tempered, not consumed) from torch's
+    fused softmax: one pass for the max and its column, one kernel for p = softmax(l), and
+    for the entropy -p log p in place and its sum. The sums come in the form the head's merge
+    takes at any max: m = this tile's log-sum-exp (l's max minus log p there), s = 1 and
+    d = sum p log p = -(the tile's entropy), whose merge over blocks of rows and TP ranks
+    (`vocab._rescaled`) gives the same log-sum-exp and entropy (the entropy as a sum of
+    non-negative terms, H = sum_b w_b (H_b + lse - lse_b)). On a GPU each of these is a pass
+    over the tile at the memory's bandwidth; on a CPU the entropy's elementwise log is not
+    vectorised (`torch.special.entr`: about 7x a product on this 2-core CPU, measured by hand)."""
+    c, rows = logits.shape
+    if out is None:
+        out = logits.new_empty(4, c)
+    m, s, d, picked = out.unbind(0)
+    if rows == 0:  # a rank holding only vocabulary padding
+        return vocab._chunk_sums(logits, local_labels, out, calculate_entropy)
+    here = (local_labels >= 0) & (local_labels < rows)
+    label_logits = logits.gather(1, local_labels.clamp(0, rows - 1)[:, None]).squeeze(1)
+    torch.mul(label_logits, here, out=picked)
+    top, col = logits.max(dim=-1)
+    p = torch.softmax(logits, dim=-1)
+    torch.sub(top, p.gather(1, col[:, None]).squeeze(1).log(), out=m)  # p there is 1 / sum
+    s.fill_(1.0)
+    if calculate_entropy:
+        torch.neg(torch.special.entr(p, out=p).sum(dim=-1), out=d)
+    else:
+        d.zero_()
+    return m, s, d, picked
+
+
+@contextmanager
+def softmax_head_forward():
+    """Within: the chunked head's forward takes each tile's sums from `softmax_sums`."""
+    eager = vocab._chunk_sums
+    vocab._chunk_sums = softmax_sums
+    try:
+        yield
+    finally:
+        vocab._chunk_sums = eager
+
+
+def lse_and_entropy(sums: torch.Tensor) -> torch.Tensor:
+    """[3, C]: a tile's log-sum-exp, entropy and label logit from its sums [4, C] (m, s, d,
+    picked) at whatever max they were taken: the forms of `vocab._chunk_sums` and
+    `softmax_sums` compared."""
+    m, s, d, picked = sums
+    return torch.stack([m + s.log(), s.log() - d / s, picked])
 
 
 @functools.cache
@@ -119,9 +171,18 @@ def main(argv=None) -> None:
         logits = vocab._chunk_logits(h, w, t)
         return torch.stack(vocab._chunk_sums(logits, labels, calculate_entropy=False))
 
+    def softmax():
+        return torch.stack(softmax_sums(vocab._chunk_logits(h, w, t), labels))
+
+    def softmax_logprobs():
+        logits = vocab._chunk_logits(h, w, t)
+        return torch.stack(softmax_sums(logits, labels, calculate_entropy=False))
+
     arms = {"gemm": gemm, "eager": eager, "eager_logprobs": eager_logprobs}
     result = {"tokens": a.tokens, "rows": a.rows, "hidden": a.hidden, "dtype": a.dtype}
     want = eager()
+    torch.testing.assert_close(lse_and_entropy(softmax()), lse_and_entropy(want), **SAME_SUMS)
+    arms.update(softmax=softmax, softmax_logprobs=softmax_logprobs)
     for shapes in a.compiled:
         fused = torch.compile(tile_sums, dynamic=shapes == "dynamic", fullgraph=True)
         try:
@@ -139,8 +200,9 @@ def main(argv=None) -> None:
     for name, seconds in sums.items():
         result[f"{name}_sums_ms"] = round(seconds * 1e3, 4)
     for name, seconds in sums.items():
-        if name != "eager" and seconds > 0:
-            result[f"speed_{name}_over_eager"] = round(sums["eager"] / seconds, 4)
+        base = "eager_logprobs" if name == "softmax_logprobs" else "eager"
+        if name != base and seconds > 0:
+            result[f"speed_{name}_over_{base}"] = round(sums[base] / seconds, 4)
     if sums["eager"] > 0:
         result["eager_sums_gb_per_s_one_read"] = round(
             4 * a.tokens * a.rows / sums["eager"] / 1e9, 2

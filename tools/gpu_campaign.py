@@ -29,7 +29,8 @@ needs, or the modules it needs (named) not installed. Parts (`--list` prints the
                       at 16k also the update with the head's tile sums compiled
                       (`--compiled-head-forward`)
 - head_tile:          `tools.bench head`: one tile of the chunked head's forward, its sums
-                      eager against compiled (Triton), dynamic and static shapes
+                      eager against compiled (Triton), dynamic and static shapes, and
+                      against the eager form with torch's fused softmax
 - long_cot_peer:      `tools.bench long_cot` in bf16, 0.5B: packed and token-budget
                       micro-batches vs the peer padding every row to the longest
 - train_step_fp8:     the same with FP8 GEMMs, needs Transformer Engine

@@ -123,6 +123,35 @@ def test_the_head_benchmarks_compiler_form_gives_the_heads_eager_sums(temperatur
     assert (got[3] != 0).tolist() == here.tolist()  # the label's logit only where it lies
 
 
+@pytest.mark.parametrize("calculate_entropy", [True, False])
+def test_the_softmax_form_of_a_tiles_sums_gives_the_same_log_sum_exp_and_entropy(
+    calculate_entropy,
+):
+    """`softmax_sums` takes the tile's sums at its log-sum-exp (m = lse, s = 1, d = -H) where
+    the head takes them at its max: the same log-sum-exp, entropy and label logits, from
+    logits far apart (a near-one-hot row: entropy near 0, where a difference would cancel)."""
+    import torch
+
+    from megatron_rl.parallel import vocab
+    from tools.bench_head import lse_and_entropy, softmax_sums
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(13, 40, generator=g) * 4
+    logits[2, 7] = 60.0
+    labels = torch.tensor([-40, -1, 7, 5, 39, 40, 79, 3, 3, 17, -7, 50, 1])
+    got = torch.stack(softmax_sums(logits, labels, calculate_entropy=calculate_entropy))
+    want = torch.stack(vocab._chunk_sums(logits.clone(), labels))
+    assert (got[1] == 1).all()
+    got, want = lse_and_entropy(got), lse_and_entropy(want)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+    if calculate_entropy:
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        assert 0 < got[1, 2] < 1e-15
+    else:
+        assert (got[1] == 0).all()
+
+
 def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_path):
     """One compiled arm (compiled on this CPU), checked equal to eager before it is timed."""
     import json
@@ -134,23 +163,32 @@ def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_pat
     main([*args, "--compiled", "dynamic", "--steps", "2", "--warmup", "1", "--out", str(out)])
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["bench"] == "head" and (row["tokens"], row["rows"]) == (24, 96)
-    for arm in ("gemm", "eager", "eager_logprobs", "compiled_dynamic"):
+    for arm in ("gemm", "eager", "eager_logprobs", "softmax", "softmax_logprobs"):
         assert row[f"{arm}_ms"] > 0
+    assert row["compiled_dynamic_ms"] > 0
+    assert row["speed_softmax_logprobs_over_eager_logprobs"] > 0
     assert "compiled_static_ms" not in row and "compiled_dynamic_error" not in row
     assert row["eager_sums_ms"] == pytest.approx(row["eager_ms"] - row["gemm_ms"], abs=1e-3)
 
 
-def test_the_compiled_head_forward_gives_the_eager_heads_log_probs_entropy_and_gradients(
-    monkeypatch,
+@pytest.mark.parametrize("form", ["compiled", "softmax"])
+def test_the_heads_other_tile_sums_give_the_eager_heads_log_probs_entropy_and_gradients(
+    monkeypatch, form
 ):
-    """`tools.bench train_step --compiled-head-forward`'s arm: the head with its tiles' sums
-    compiled (on this CPU) gives what the eager head gives, over blocks of rows and tokens;
-    the eager sums are back afterwards."""
+    """`tools.bench train_step --compiled-head-forward`'s arm (the tiles' sums compiled, on
+    this CPU) and the sums of `softmax_sums`: the head gives what the eager head gives, over
+    blocks of rows and tokens (the blocks' sums merged in either form); the eager sums are
+    back afterwards."""
     import torch
 
     from megatron_rl.parallel import vocab
     from tests.tolerances import FP32_MODEL, assert_close
-    from tools.bench_head import compiled_head_forward
+    from tools import bench_head
+
+    other = {
+        "compiled": bench_head.compiled_head_forward,
+        "softmax": bench_head.softmax_head_forward,
+    }
 
     monkeypatch.setattr(vocab, "_tp", lambda: (0, 1, None))  # TP1 without a process group
     g = torch.Generator().manual_seed(1)
@@ -165,7 +203,7 @@ def test_the_compiled_head_forward_gives_the_eager_heads_log_probs_entropy_and_g
 
     eager_sums = vocab._chunk_sums
     want = run()
-    with compiled_head_forward():
+    with other[form]():
         assert vocab._chunk_sums is not eager_sums
         got = run()
     assert vocab._chunk_sums is eager_sums
