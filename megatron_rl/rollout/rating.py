@@ -93,6 +93,21 @@ class _Chunk:
     texts: list[str]
     handle: object
 
+    def rated(self, scored) -> dict[int, Group]:
+        """This chunk's samples with their rewards and scores (`scored`, the pool's result
+        for it), grouped by their prompt's index in the chunk."""
+        groups: dict[int, Group] = {}
+        for i, (s, text) in enumerate(zip(self.samples, self.texts, strict=True)):
+            rated = RatedSample(
+                prompt=self.prompts[s.prompt_index],
+                sample=s,
+                response=text,
+                reward=scored.rewards[i],
+                scores={name: v[i] for name, v in scored.scores.items()},
+            )
+            groups.setdefault(s.prompt_index, []).append(rated)
+        return groups
+
 
 def chunk_seeds(seed: int, prompts, chunk: int) -> list[int]:
     """The request seed of each prompt record of a rollout's `chunk`-th engine call: from
@@ -236,16 +251,7 @@ def generate_samples_with_rating(
             wait_s += time.time() - t0
             timeline.append(("score", chunk.index, result.started, result.finished))
             scored.append(result.scored)
-            groups: dict[int, Group] = {}
-            for i, (s, text) in enumerate(zip(chunk.samples, chunk.texts, strict=True)):
-                rated = RatedSample(
-                    prompt=chunk.prompts[s.prompt_index],
-                    sample=s,
-                    response=text,
-                    reward=result.scored.rewards[i],
-                    scores={name: v[i] for name, v in result.scored.scores.items()},
-                )
-                groups.setdefault(s.prompt_index, []).append(rated)
+            groups = chunk.rated(result.scored)
             for index in sorted(groups):
                 if strategy.keep(groups[index]):
                     kept.append(groups[index])
