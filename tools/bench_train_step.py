@@ -102,7 +102,8 @@ def to_device(batch: TrainingBatch, device) -> TrainingBatch:
 
 
 def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> None:
-    """Megatron's own fused cross-entropy over response tokens + the same optimizer step."""
+    """Megatron's own fused cross-entropy over response tokens + the same optimizer step as
+    the update's (`apply_gradients`: the norm taken once, the clip inside a fused AdamW)."""
 
     def loss_fn(mb, per_token_ce):
         mask = mb.response_mask[:, 1:]
@@ -132,7 +133,7 @@ def plain_step(actor: Actor, batch: TrainingBatch, num_microbatches: int) -> Non
         emit_hidden_states(actor.chunks, on=True)
         for c, f in zip(actor.chunks, originals, strict=True):
             c.forward = f
-    actor.optimizer.step()
+    actor.apply_gradients({})
 
 
 ARMS = (

@@ -180,22 +180,46 @@ def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
     caller took after `prepare_grads`: each optimizer of the chain with `clip_grad` > 0
     scales its gradients by clip_grad / grad_norm where that is < 1, then all step. Returns
     whether the step was taken. `step()` itself would prepare the gradients and take the
-    norm again: a second pass over every gradient and a second host synchronisation."""
+    norm again: a second pass over every gradient and a second host synchronisation.
+
+    Where every group of an optimizer runs torch's fused AdamW (`use_fused_adamw`), the
+    scaling goes into its step instead (the kernel's `grad_scale`, which GradScaler uses to
+    unscale: the gradient divided by 1 / coefficient as the kernel reads it), not a pass of
+    its own over every gradient beforehand: the plain-PyTorch step of `tools.bench
+    train_step` makes no such pass."""
     # why: megatron loads only where it is used; the CPU layer may have replaced the clip
     from megatron.core.optimizer import clip_grads
 
+    scaled = []
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
             continue
         params = inner.get_parameters()
-        if params:
+        coeff = inner.config.clip_grad / (grad_norm + 1.0e-6)  # megatron's clip coefficient
+        if not params or coeff >= 1.0:
+            continue
+        decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        if not decoupled and _steps_fused(inner.optimizer):
+            device = params[0].device
+            inner.optimizer.grad_scale = torch.full((), 1.0 / coeff, device=device)
+            scaled.append(inner.optimizer)
+        else:
             clip_grads.clip_grad_by_total_norm_fp32(
-                params,
-                max_norm=inner.config.clip_grad,
-                total_norm=grad_norm,
-                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
-    return optimizer.step_with_ready_grads()
+                params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=decoupled,
+            )  # fmt: skip
+    try:
+        return optimizer.step_with_ready_grads()
+    finally:
+        for torch_optimizer in scaled:  # read at every step: this one's only
+            del torch_optimizer.grad_scale
+
+
+def _steps_fused(torch_optimizer) -> bool:
+    """Whether every group of a torch optimizer runs the fused kernel, the only one that
+    takes a `grad_scale` (torch's Adam refuses it elsewhere)."""
+    groups = getattr(torch_optimizer, "param_groups", [])
+    return bool(groups) and all(g.get("fused") is True for g in groups)
 
 
 def use_fused_adamw(optimizer) -> None:

@@ -5,6 +5,7 @@ same weights as megatron-core's own `optimizer.step()`, and the reference policy
 import argparse
 
 import torch
+from megatron.core.optimizer import clip_grads
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.models.hf_config import read_hf_config
@@ -16,6 +17,7 @@ from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor, ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
+from tests.tolerances import FP32_EXACT_ORDER
 from tests.torchrun.actor_critic import global_batch
 
 
@@ -107,19 +109,28 @@ def main():
     }
 
     cfg = PolicyLossConfig(nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.01)
-    # Our step (the norm taken once, `step_with_grad_norm`) against megatron's own
-    # `optimizer.step()`, on twins from the same weights, with every gradient clipped.
+    # Our step (the norm taken once, `step_with_grad_norm`; the clip inside torch's fused
+    # AdamW) against megatron's own `optimizer.step()` (a pass scaling every gradient, then
+    # the step), on twins from the same weights, with every gradient clipped: the same
+    # weights up to the gradients' one rounding, g / (1 / c) against g * c.
     clipped = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1e-3)
     ours, megatrons = Actor(model, optim=clipped), Actor(model, optim=clipped)
-    ours_metrics = ours.update(batch, cfg, 2)
+    separate_clips = []  # passes scaling the gradients before our step (none: in it)
+    clip = clip_grads.clip_grad_by_total_norm_fp32
+    clip_grads.clip_grad_by_total_norm_fp32 = lambda *a, **k: separate_clips.append(clip(*a, **k))
+    try:
+        ours_metrics = ours.update(batch, cfg, 2)
+    finally:
+        clip_grads.clip_grad_by_total_norm_fp32 = clip
     megatrons.compute_gradients(batch, cfg, 2)
     megatron_ok, megatron_norm, _ = megatrons.optimizer.step()
     stepped, theirs = snapshot(ours.chunks, arch), snapshot(megatrons.chunks, arch)
     twins = {
         "ours": ours_metrics,
         "megatron": (megatron_ok, float(megatron_norm)),
-        "weights_equal": stepped.keys() == theirs.keys()
-        and all(torch.equal(stepped[k], theirs[k]) for k in stepped),
+        "weights_close": stepped.keys() == theirs.keys()
+        and all(torch.allclose(stepped[k], theirs[k], **FP32_EXACT_ORDER) for k in stepped),
+        "separate_clips": len(separate_clips),
         "unchanged": len(unchanged(actor_before, stepped)),
     }
     actor_metrics = actor.update(batch.with_fields(ref_logprobs=ref_logprobs), cfg, 2)
