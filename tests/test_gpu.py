@@ -157,8 +157,9 @@ def test_bf16_master_weights_step_with_torchs_fused_adamw_as_with_its_default(
 ):
     """On CUDA the fp32 master weights of bf16 training step with torch's fused AdamW, their
     step counts on the device, with no host synchronisation in the step (the master weights'
-    copy into the model's is one foreach copy); two updates give the weights torch's
-    default (foreach, counts on the host) gives; an optimizer offload and restore leaves the
+    copy into the model's is one foreach copy, the clip its `grad_scale`); two clipped
+    updates give the weights torch's default (foreach, counts on the host, the clip a pass
+    of its own) gives; an optimizer offload and restore leaves the
     counts where the fused kernel reads them."""
     from megatron_rl.models.dist_checkpoint import inner_optimizers
     from megatron_rl.workers.optimizer import OptimConfig, step_with_grad_norm
@@ -168,7 +169,7 @@ def test_bf16_master_weights_step_with_torchs_fused_adamw_as_with_its_default(
     distributed.initialize(layout, arch=arch)
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     model = RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16)
-    optim = OptimConfig(lr=1e-3)
+    optim = OptimConfig(lr=1e-3, clip_grad=1e-3)  # every step clips: inside the fused kernel
     fused, default = Actor(model, optim=optim), Actor(model, optim=optim)
     groups = [g for inner in inner_optimizers(fused.optimizer) for g in inner.param_groups]
     assert groups and all(g["fused"] is True for g in groups)
