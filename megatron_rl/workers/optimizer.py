@@ -200,14 +200,12 @@ def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
             continue
         decoupled = inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
         if not decoupled and _steps_fused(inner.optimizer):
-            device = params[0].device
-            inner.optimizer.grad_scale = torch.full((), 1.0 / coeff, device=device)
+            inner.optimizer.grad_scale = torch.full((), 1.0 / coeff, device=params[0].device)
             scaled.append(inner.optimizer)
         else:
             clip_grads.clip_grad_by_total_norm_fp32(
-                params, max_norm=inner.config.clip_grad, total_norm=grad_norm,
-                use_decoupled_grad=decoupled,
-            )  # fmt: skip
+                params, inner.config.clip_grad, grad_norm, use_decoupled_grad=decoupled
+            )
     try:
         return optimizer.step_with_ready_grads()
     finally:
