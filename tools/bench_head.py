@@ -11,14 +11,16 @@ about 1 ms. Its tiles are now thousands of tokens by thousands of rows (`paralle
 a row reduction with work for every SM, and the eager form makes about ten passes over a
 tile where a fused one can make two: this measures whether compiling still loses. Each
 other arm's sums are checked equal to the eager ones first; an arm that fails to compile or
-gives other sums is left out, its error in the line (`<arm>_error`). The arm `eager_logprobs` takes
-the eager sums without the entropy's (`calculate_entropy=False`: what the log-probs of an old
-policy, a reference or a teacher cost). One JSON line: milliseconds a tile for the GEMM alone
-and for each arm, the sums' share (arm minus GEMM), each other arm's speed-up over eager
-there (> 1: faster), and the eager sums' bandwidth counted as one read of the fp32 tile.
+gives other sums is left out, its error in the line (`<arm>_error`). The arm
+`eager_logprobs` takes the eager sums without the entropy's (`calculate_entropy=False`: what
+the log-probs of an old policy, a reference or a teacher cost). One JSON line: milliseconds
+a tile for the GEMM alone and for each arm, the sums' share (arm minus GEMM), each other
+arm's speed-up over eager there (> 1: faster), and the eager sums' bandwidth counted as one
+read of the fp32 tile.
 The arms `softmax` and `softmax_logprobs` take the same sums from torch's fused softmax
-(`softmax_sums`: seven passes over the tile with the GEMM's write where eager makes eleven, four
-without the entropy where eager makes seven), timed against `eager` and `eager_logprobs`.
+(`softmax_sums`: seven passes over the tile with the GEMM's write where eager makes eleven,
+four without the entropy where eager makes seven), timed against `eager` and
+`eager_logprobs`.
 """
 
 from __future__ import annotations
@@ -77,14 +79,20 @@ def softmax_sums(logits, local_labels, out=None, calculate_entropy: bool = True)
 
 
 @contextmanager
-def softmax_head_forward():
-    """Within: the chunked head's forward takes each tile's sums from `softmax_sums`."""
+def _head_tile_sums(sums):
+    """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
+    `sums`, which has its signature; the eager sums are back afterwards."""
     eager = vocab._chunk_sums
-    vocab._chunk_sums = softmax_sums
+    vocab._chunk_sums = sums
     try:
         yield
     finally:
         vocab._chunk_sums = eager
+
+
+def softmax_head_forward():
+    """Within: the chunked head's forward takes each tile's sums from `softmax_sums`."""
+    return _head_tile_sums(softmax_sums)
 
 
 def lse_and_entropy(sums: torch.Tensor) -> torch.Tensor:
@@ -102,7 +110,6 @@ def _compiled_tile_sums():
     return torch.compile(tile_sums, dynamic=True, fullgraph=True)
 
 
-@contextmanager
 def compiled_head_forward():
     """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
     `tile_sums` compiled with dynamic shapes (micro-batches vary in length), as the head
@@ -119,11 +126,7 @@ def compiled_head_forward():
             return got.unbind(0)
         return out.copy_(got).unbind(0)
 
-    vocab._chunk_sums = sums
-    try:
-        yield
-    finally:
-        vocab._chunk_sums = eager
+    return _head_tile_sums(sums)
 
 
 COMPILED = ("dynamic", "static")
