@@ -19,10 +19,11 @@ ratios of median step times compare them. `--memory` adds each arm's peak memory
 alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
 CPU, above what the process held before it built anything); `--apart` also takes the speeds
 from those children, for shapes where two models do not fit one device together.
-`--without linear rope swiglu` adds, per name, an arm `ppo_update_megatron_<name>`: the same
+`--without linear rope swiglu layer` adds, per name, an arm `ppo_update_megatron_<name>`: the same
 update with that part put back to megatron-core's own function while the arm runs
 (`linear`: `models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE;
-`swiglu`: `models/swiglu.py`'s activation, against megatron's unfused one), and its
+`swiglu`: `models/swiglu.py`'s activation, against megatron's unfused one; `layer`:
+`models/layer.py`'s decoder-layer forward), and its
 `speed_ppo_over_megatron_<name>` (> 1: ours is faster).
 `--compiled-head-forward` adds `ppo_update_compiled_head_forward`: the same update with the
 chunked head's tile sums compiled (`tools/bench_head.py`), and its
@@ -340,9 +341,11 @@ MEGATRON_OWN = {
     "linear": ("megatron.core.tensor_parallel.layers", linear_routes.ROUTED),
     "rope": ("megatron.core.transformer.attention", ("apply_rotary_pos_emb",)),
     "swiglu": ("megatron.core.transformer.mlp", ("bias_swiglu_impl",)),
+    "layer": ("megatron.core.transformer.transformer_layer:TransformerLayer", ("forward",)),
 }
-"""The parts `--without` can put back: where megatron looks each function up, and its names
-there (each our route, holding megatron's own as `.megatron_fn`)."""
+"""The parts `--without` can put back: where megatron looks each function up (a module, or
+`module:Class` for a method), and its names there (each our route, holding megatron's own as
+`.megatron_fn`)."""
 
 
 def _megatron_glu(input, bias, fp8_input_store=False, cpu_offload_input=False):  # noqa: A002
@@ -359,7 +362,10 @@ UNFUSED = {"bias_swiglu_impl": _megatron_glu}
 def megatron_own(part: str):
     """Within: megatron-core's own functions in place of our routes of `part`."""
     module_name, names = MEGATRON_OWN[part]
+    module_name, _, class_name = module_name.partition(":")
     module = importlib.import_module(module_name)
+    if class_name:
+        module = getattr(module, class_name)
     routes = {name: getattr(module, name) for name in names}
     missing = [name for name, fn in routes.items() if not hasattr(fn, "megatron_fn")]
     if missing:

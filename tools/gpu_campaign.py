@@ -153,9 +153,11 @@ def parts(work: Path) -> list[Part]:
              needs=("pytest", *MEGATRON, *PEER)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and
-        # ours against ours with megatron-core's own linears, RoPE or activation, alternating
+        # ours against ours with megatron-core's own linears, RoPE, activation or layer forward,
+        # alternating
         Part("train_step_bf16",
-             (*train_step, "--memory", "--without", "linear", "rope", "swiglu", *results),
+             (*train_step, "--memory", "--without", "linear", "rope", "swiglu", "layer",
+              *results),
              needs=MEGATRON + PEER),
         # the LoRA actor's update (rank 16 on every linear) beside the full one, same shape
         Part("train_step_lora", (*train_step, "--lora-rank", "16", "--memory", *results),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megatron_rl.models.architecture import ModelArchitecture
 from megatron_rl.models.attention import SDPAttention
+from megatron_rl.models.layer import use_lean_layer
 from megatron_rl.models.linear import use_plain_linear
 from megatron_rl.models.rope import yarn_inv_freq
 from megatron_rl.models.rotary import use_rotate_half_rope
@@ -465,6 +466,7 @@ def build_gpt_model_chunks(
     )
     use_rotate_half_rope()  # RoPE in three passes each way (`models/rotary.py`)
     use_plain_linear()  # F.linear where a projection communicates nothing (`models/linear.py`)
+    use_lean_layer()  # a decoder layer's forward in the calls its maths needs (`models/layer.py`)
     vpp = layout.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:

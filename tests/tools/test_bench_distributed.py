@@ -31,6 +31,7 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         "linear",
         "rope",
         "swiglu",
+        "layer",
         "--out",
         str(out),
     ]
@@ -45,7 +46,8 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
         result["ppo_update_lora_s"] / result["ppo_update_s"], rel=0.03
     )
     assert result["peer"] == "none" and "peer_hf_s" not in result  # the peer runs on one device
-    for part in ("linear", "rope", "swiglu"):  # the update with megatron-core's own beside it
+    # the update with megatron-core's own beside it
+    for part in ("linear", "rope", "swiglu", "layer"):
         assert result[f"speed_ppo_over_megatron_{part}"] == pytest.approx(
             result[f"ppo_update_megatron_{part}_s"] / result["ppo_update_s"], rel=0.03
         )

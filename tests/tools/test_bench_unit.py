@@ -65,31 +65,36 @@ def test_megatron_own_puts_megatron_functions_back_within_and_ours_after():
     import torch
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import attention, mlp
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron_rl.models.layer import use_lean_layer
     from megatron_rl.models.linear import use_plain_linear
     from megatron_rl.models.rotary import use_rotate_half_rope
     from megatron_rl.models.swiglu import swiglu, use_fused_swiglu
     from tools.bench_train_step import _megatron_glu, megatron_own, without_arms
 
-    use_plain_linear(), use_rotate_half_rope(), use_fused_swiglu()
+    use_plain_linear(), use_rotate_half_rope(), use_fused_swiglu(), use_lean_layer()
 
     def looked_up():
         return (
             layers.linear_with_frozen_weight,
             attention.apply_rotary_pos_emb,
             mlp.bias_swiglu_impl,
+            TransformerLayer.forward,
         )
 
     ours = looked_up()
     seen = []
-    arms = without_arms(["linear", "rope", "swiglu"], lambda: seen.append(looked_up()))
-    assert list(arms) == [f"ppo_update_megatron_{p}" for p in ("linear", "rope", "swiglu")]
+    parts = ["linear", "rope", "swiglu", "layer"]
+    arms = without_arms(parts, lambda: seen.append(looked_up()))
+    assert list(arms) == [f"ppo_update_megatron_{p}" for p in parts]
     for step in arms.values():
         step()
     assert seen == [
-        (ours[0].megatron_fn, ours[1], ours[2]),
-        (ours[0], ours[1].megatron_fn, ours[2]),
-        (ours[0], ours[1], _megatron_glu),  # megatron's unfused activation, not its compiled one
+        (ours[0].megatron_fn, ours[1], ours[2], ours[3]),
+        (ours[0], ours[1].megatron_fn, ours[2], ours[3]),
+        (ours[0], ours[1], _megatron_glu, ours[3]),  # megatron's unfused activation
+        (ours[0], ours[1], ours[2], ours[3].megatron_fn),  # a method of a class
     ]
     assert looked_up() == ours
     x = torch.randn(3, 2, 8)

@@ -2,13 +2,19 @@
 unfused reference's (`DotProductAttention`) logits and gradients, with the same weights, at
 TP2 with sequence parallelism, PP2 (1F1B over two micro-batches) and TP1 over DP2; so do its
 packed micro-batches (rows back to back, each attending within itself). The tiny preset has
-grouped-query attention (4 query heads, 2 key/value groups; 2 and 1 a TP rank).
+grouped-query attention (4 query heads, 2 key/value groups; 2 and 1 a TP rank). The same
+chunks again with megatron-core's own layer forward in place of `models/layer.py`'s
+(`*_megatron_layer`), and with both in eval mode without gradients (`*_eval`, where the
+residual sums run in place).
 
 Each rank writes {layout}_{rank}.pt: {"logits": {arm: [real tokens, V/tp] per micro-batch,
-last stage only}, "grads": {arm: {name: grad}}}, arms unfused, sdpa and sdpa_packed.
+last stage only}, "grads": {arm: {name: grad}}}, arms unfused, sdpa, sdpa_packed,
+sdpa_megatron_layer, sdpa_packed_megatron_layer (both logits and gradients), sdpa_eval and
+sdpa_eval_megatron_layer (logits).
 """
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -31,6 +37,44 @@ LAYOUTS = {
 
 LENGTHS = (96, 50, 73, 21)
 """Row lengths of the packed case (the rest of each row is padding)."""
+
+
+@contextlib.contextmanager
+def megatron_layer():
+    """Within: megatron-core's own `TransformerLayer.forward`."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    lean = TransformerLayer.forward
+    TransformerLayer.forward = lean.megatron_fn
+    try:
+        yield
+    finally:
+        TransformerLayer.forward = lean
+
+
+def eval_logits(chunks, tokens):
+    """The real tokens' logits of a forward-only pass in eval mode, without gradients."""
+    lengths = torch.tensor(LENGTHS, device=tokens.device)
+    real = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
+    micro = [
+        TrainingBatch(input_ids=t, response_mask=m.float())
+        for t, m in zip(tokens.split(2), real.split(2), strict=True)
+    ]
+    for chunk in chunks:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            out = run_schedule(
+                chunks,
+                micro,
+                lambda mb, logits: logits[mb.response_mask.bool()].clone(),
+                forward_only=True,
+                collect_outputs=True,
+            )
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    return out
 
 
 def logits_and_grads(chunks, tokens, packed: bool = False, multiple: int = 1):
@@ -94,9 +138,20 @@ def main():
         for attention, chunks in (("unfused", reference), ("sdpa", fused)):
             out["logits"][attention], out["grads"][attention] = logits_and_grads(chunks, tokens)
         multiple = 2 if layout.sequence_parallel else 1
-        out["logits"]["sdpa_packed"], out["grads"]["sdpa_packed"] = logits_and_grads(
-            fused, tokens, packed=True, multiple=multiple
-        )
+        for suffix, layer in (("", contextlib.nullcontext), ("_megatron_layer", megatron_layer)):
+            with layer():
+                if suffix:
+                    arm = f"sdpa{suffix}"
+                    out["logits"][arm], out["grads"][arm] = logits_and_grads(fused, tokens)
+                arm = f"sdpa_packed{suffix}"
+                out["logits"][arm], out["grads"][arm] = logits_and_grads(
+                    fused, tokens, packed=True, multiple=multiple
+                )
+                out["logits"][f"sdpa_eval{suffix}"] = eval_logits(fused, tokens)
+        # which layers took our forward (decided at their first call)
+        out["lean_layers"] = [
+            layer.__dict__.get("_lean_forward") for chunk in fused for layer in chunk.decoder.layers
+        ]
         torch.save(out, Path(a.out_dir) / f"{name}_{ctx.rank}.pt")
         from megatron.core import parallel_state
 
