@@ -14,8 +14,8 @@ functions, an import and an offloading context per norm, six NVTX ranges, cross-
 identity norm, module and bias-dropout-add, a bias-dropout-add factory and a
 `torch.enable_grad` context per residual, and a view check. That is host time a short step
 waits for on a GPU (a 0.5B model at 4 x 2,048 tokens left an H200 half idle,
-`bench/gpu.md`), and on the 2-core CPU the `tiny-deep` update ran 1.03-1.05x faster without
-it (`docs/performance.md`).
+`bench/gpu.md`), and on the 2-core CPU the `tiny-deep` update (24 layers) ran 1.05-1.08x
+faster without it (`docs/performance.md`).
 
 `use_lean_layer()` puts `_lean_forward` in `TransformerLayer.forward` for the layers and calls
 it covers; every other (a layer with CUDA graphs, recomputed or offloaded norms or MLP,
@@ -23,7 +23,8 @@ dropout, cross-attention, a subclass; a call with an inference context or cross-
 context) goes to megatron-core's own forward unchanged. The sums are megatron's, in its
 order and dtype (its `_bias_dropout_add_func` at dropout 0: `residual + (x + bias)`, in
 place outside training where nothing needs a gradient), so outputs and gradients are equal
-to the bit (`tests/models/test_layer_unit.py`).
+to the bit (`tests/models/test_layer_unit.py`, and whole models at TP2+SP, PP2, DP2, packed
+and in eval mode in `tests/models/test_core_attention_distributed.py`).
 """
 
 from __future__ import annotations
