@@ -52,14 +52,19 @@ def megatron_layer():
         TransformerLayer.forward = lean
 
 
-def eval_logits(chunks, tokens):
-    """The real tokens' logits of a forward-only pass in eval mode, without gradients."""
+def micro_batches(tokens) -> list[TrainingBatch]:
+    """Two micro-batches of two rows, each row's first `LENGTHS` tokens real."""
     lengths = torch.tensor(LENGTHS, device=tokens.device)
     real = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
-    micro = [
+    return [
         TrainingBatch(input_ids=t, response_mask=m.float())
         for t, m in zip(tokens.split(2), real.split(2), strict=True)
     ]
+
+
+def eval_logits(chunks, tokens):
+    """The real tokens' logits of a forward-only pass in eval mode, without gradients."""
+    micro = micro_batches(tokens)
     for chunk in chunks:
         chunk.eval()
     try:
@@ -81,12 +86,7 @@ def logits_and_grads(chunks, tokens, packed: bool = False, multiple: int = 1):
     """Two micro-batches through megatron's schedule, a loss reading every real token's
     logits; the logits of the real tokens, rows one after another, and every gradient.
     `packed`: each micro-batch's rows of `LENGTHS` back to back (`data/packing.py`)."""
-    lengths = torch.tensor(LENGTHS, device=tokens.device)
-    real = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
-    micro = [
-        TrainingBatch(input_ids=t, response_mask=m.float())
-        for t, m in zip(tokens.split(2), real.split(2), strict=True)
-    ]
+    micro = micro_batches(tokens)
     if packed:
         micro = [mb.with_length(int(mb.sequence_lengths().max())).packed(multiple) for mb in micro]
     seen = []
