@@ -456,3 +456,39 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     for got, bf16, want in zip(chunked, whole_bf16, fp32, strict=True):
         assert_close(got, want, BF16_MODEL)
         assert (got - want).abs().max() <= 2 * (bf16 - want).abs().max()
+
+
+def test_bf16_layer_forward_equals_megatrons_to_the_bit(single_rank, tiny_model_dir):
+    """`models/layer.py`'s decoder-layer forward against megatron-core's own on CUDA in bf16
+    (the CPU test is fp32): the same logits and every gradient to the bit, and the same
+    logits in eval mode without gradients, where the residual sums run in place."""
+    from tests.torchrun.core_attention import megatron_layer
+
+    arch = read_hf_config(tiny_model_dir)
+    layout = distributed.ParallelLayout()
+    distributed.initialize(layout, arch=arch)
+    chunks = build_gpt_model_chunks(arch, layout, PrecisionConfig(params_dtype=torch.bfloat16))
+    load_hf_into_megatron(chunks, tiny_model_dir, arch)
+    ids = tokens(arch)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def run():
+        chunks[0].zero_grad()
+        logits = chunks[0](ids, pos, None)
+        logits.float().logsumexp(-1).mean().backward()
+        grads = {n: p.grad.clone() for n, p in chunks[0].named_parameters()}
+        chunks[0].eval()
+        try:
+            evaluated = forward(chunks, ids)
+        finally:
+            chunks[0].train()
+        return logits.detach(), grads, evaluated
+
+    ours = run()
+    with megatron_layer():
+        theirs = run()
+    assert all(layer.__dict__.get("_lean_forward") for layer in chunks[0].decoder.layers)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])
+    assert sorted(ours[1]) == sorted(theirs[1])
+    for name, grad in theirs[1].items():
+        assert torch.equal(ours[1][name], grad), name
