@@ -19,12 +19,12 @@ ratios of median step times compare them. `--memory` adds each arm's peak memory
 alone in a child process (CUDA's max allocated, or the resident set's high-water mark on
 CPU, above what the process held before it built anything); `--apart` also takes the speeds
 from those children, for shapes where two models do not fit one device together.
-`--without linear rope swiglu layer` adds, per name, an arm `ppo_update_megatron_<name>`: the same
-update with that part put back to megatron-core's own function while the arm runs
+`--without linear rope swiglu layer` adds, per name, an arm `ppo_update_megatron_<name>`:
+the same update with that part put back to megatron-core's own function while the arm runs
 (`linear`: `models/linear.py`'s plain products; `rope`: `models/rotary.py`'s RoPE;
 `swiglu`: `models/swiglu.py`'s activation, against megatron's unfused one; `layer`:
-`models/layer.py`'s decoder-layer forward), and its
-`speed_ppo_over_megatron_<name>` (> 1: ours is faster).
+`models/layer.py`'s decoder-layer forward), and its `speed_ppo_over_megatron_<name>` (> 1:
+ours is faster).
 `--compiled-head-forward` adds `ppo_update_compiled_head_forward`: the same update with the
 chunked head's tile sums compiled (`tools/bench_head.py`), and its
 `speed_compiled_head_forward_over_eager` (> 1: compiled is faster).
@@ -361,22 +361,22 @@ UNFUSED = {"bias_swiglu_impl": _megatron_glu}
 @contextmanager
 def megatron_own(part: str):
     """Within: megatron-core's own functions in place of our routes of `part`."""
-    module_name, names = MEGATRON_OWN[part]
-    module_name, _, class_name = module_name.partition(":")
-    module = importlib.import_module(module_name)
+    where, names = MEGATRON_OWN[part]
+    module_name, _, class_name = where.partition(":")
+    owner = importlib.import_module(module_name)
     if class_name:
-        module = getattr(module, class_name)
-    routes = {name: getattr(module, name) for name in names}
+        owner = getattr(owner, class_name)
+    routes = {name: getattr(owner, name) for name in names}
     missing = [name for name, fn in routes.items() if not hasattr(fn, "megatron_fn")]
     if missing:
-        raise RuntimeError(f"--without {part}: {module_name}.{missing} is not routed")
+        raise RuntimeError(f"--without {part}: {where}.{missing} is not routed")
     try:
         for name, fn in routes.items():
-            setattr(module, name, UNFUSED.get(name, fn.megatron_fn))
+            setattr(owner, name, UNFUSED.get(name, fn.megatron_fn))
         yield
     finally:
         for name, fn in routes.items():
-            setattr(module, name, fn)
+            setattr(owner, name, fn)
 
 
 def without_arms(parts, ppo_update) -> dict:
