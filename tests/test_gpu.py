@@ -462,7 +462,7 @@ def test_bf16_layer_forward_equals_megatrons_to_the_bit(single_rank, tiny_model_
     """`models/layer.py`'s decoder-layer forward against megatron-core's own on CUDA in bf16
     (the CPU test is fp32): the same logits and every gradient to the bit, and the same
     logits in eval mode without gradients, where the residual sums run in place."""
-    from tests.torchrun.core_attention import megatron_layer
+    from tools.bench_train_step import megatron_own
 
     arch = read_hf_config(tiny_model_dir)
     layout = distributed.ParallelLayout()
@@ -485,7 +485,7 @@ def test_bf16_layer_forward_equals_megatrons_to_the_bit(single_rank, tiny_model_
         return logits.detach(), grads, evaluated
 
     ours = run()
-    with megatron_layer():
+    with megatron_own("layer"):
         theirs = run()
     assert all(layer.__dict__.get("_lean_forward") for layer in chunks[0].decoder.layers)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[2], theirs[2])

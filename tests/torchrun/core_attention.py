@@ -14,7 +14,6 @@ sdpa_eval_megatron_layer (logits).
 """
 
 import argparse
-import contextlib
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from megatron_rl.parallel import distributed
 from megatron_rl.procutil import exit_now
 from megatron_rl.workers.schedule import run_schedule
 from tests.torchrun.common import fixed_tokens
+from tools.bench_train_step import megatron_own
 
 LAYOUTS = {
     "tp2_sp": distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
@@ -37,19 +37,6 @@ LAYOUTS = {
 
 LENGTHS = (96, 50, 73, 21)
 """Row lengths of the packed case (the rest of each row is padding)."""
-
-
-@contextlib.contextmanager
-def megatron_layer():
-    """Within: megatron-core's own `TransformerLayer.forward`."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    lean = TransformerLayer.forward
-    TransformerLayer.forward = lean.megatron_fn
-    try:
-        yield
-    finally:
-        TransformerLayer.forward = lean
 
 
 def micro_batches(tokens) -> list[TrainingBatch]:
@@ -120,6 +107,16 @@ def logits_and_grads(chunks, tokens, packed: bool = False, multiple: int = 1):
     return seen, grads
 
 
+def packed_and_eval(out: dict, suffix: str, chunks, tokens, multiple: int) -> None:
+    """`chunks`' packed arm (logits and gradients) and eval arm (logits) into `out`, named
+    sdpa_packed{suffix} and sdpa_eval{suffix}."""
+    arm = f"sdpa_packed{suffix}"
+    out["logits"][arm], out["grads"][arm] = logits_and_grads(
+        chunks, tokens, packed=True, multiple=multiple
+    )
+    out["logits"][f"sdpa_eval{suffix}"] = eval_logits(chunks, tokens)
+
+
 @record
 def main():
     p = argparse.ArgumentParser()
@@ -138,16 +135,11 @@ def main():
         for attention, chunks in (("unfused", reference), ("sdpa", fused)):
             out["logits"][attention], out["grads"][attention] = logits_and_grads(chunks, tokens)
         multiple = 2 if layout.sequence_parallel else 1
-        for suffix, layer in (("", contextlib.nullcontext), ("_megatron_layer", megatron_layer)):
-            with layer():
-                if suffix:
-                    arm = f"sdpa{suffix}"
-                    out["logits"][arm], out["grads"][arm] = logits_and_grads(fused, tokens)
-                arm = f"sdpa_packed{suffix}"
-                out["logits"][arm], out["grads"][arm] = logits_and_grads(
-                    fused, tokens, packed=True, multiple=multiple
-                )
-                out["logits"][f"sdpa_eval{suffix}"] = eval_logits(fused, tokens)
+        packed_and_eval(out, "", fused, tokens, multiple)
+        with megatron_own("layer"):  # the same chunks with megatron-core's layer forward
+            arm = "sdpa_megatron_layer"
+            out["logits"][arm], out["grads"][arm] = logits_and_grads(fused, tokens)
+            packed_and_eval(out, "_megatron_layer", fused, tokens, multiple)
         # which layers took our forward (decided at their first call)
         out["lean_layers"] = [
             layer.__dict__.get("_lean_forward") for chunk in fused for layer in chunk.decoder.layers
