@@ -9,7 +9,10 @@ fits one 10-minute device call); its output goes, as it runs, to DIR/<part>.log,
 each part DIR/report.json is rewritten (temp file, then os.replace): a window that ends
 mid-part leaves the earlier parts' results. `--only` merges into an existing report.
 A part is `skipped`, never passed, with the reason: no CUDA device, fewer devices than it
-needs, or the modules it needs (named) not installed. Parts (`--list` prints them):
+needs, or the modules it needs (named) not installed. A skip does not replace a part's
+earlier run in the report (a CPU machine, or a GPU without a module, would erase what a
+window measured): that run stays, its `skipped_since` saying when and why it was not
+re-run. Parts (`--list` prints them):
 
 - env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
                       always runs, also without CUDA
@@ -369,6 +372,14 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
     devices = cuda_devices()
     for part in plan:
         reason = skip_reason(part, devices)
+        earlier = report["parts"].get(part.name, {})
+        if reason and earlier.get("status", "skipped") != "skipped":
+            # a machine that cannot run a part does not erase what one that could measured
+            earlier["skipped_since"] = {"reason": reason, "finished": _now()}
+            write_report(report_path, report)
+            print(f"gpu_campaign: {part.name}: skipped {reason}; its run of "
+                  f"{earlier.get('finished')} kept", flush=True)  # fmt: skip
+            continue
         if reason:
             record = {"status": "skipped", "reason": reason}
         else:
@@ -430,7 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"gpu_campaign: report in {Path(a.out_dir) / 'report.json'}")
     if a.copy_to:
         copy_results(Path(a.out_dir), [x.name for x in chosen], Path(a.copy_to))
-    ran = [report["parts"][x.name]["status"] for x in chosen]
+    records = [report["parts"][x.name] for x in chosen]
+    # a part skipped now whose earlier run was kept: this run skipped it
+    ran = ["skipped" if "skipped_since" in r else r["status"] for r in records]
     return 0 if all(s in ("passed", "skipped") for s in ran) else 1
 
 

@@ -188,6 +188,41 @@ def test_a_second_only_run_merges_into_the_report(cpu_campaign, capsys):
     assert "transformer_engine" in after["parts"]["train_step_fp8"]["reason"]
 
 
+def test_a_skip_keeps_the_parts_earlier_run_and_says_since_when(tmp_path, capsys):
+    """A machine that cannot run a part (here: a module it needs is missing) leaves in the
+    report the run a machine that could made; a part never run is recorded as skipped."""
+    (tmp_path / "m.json").write_text('{"mfu": 0.4}')
+    out, argv = tmp_path / "out", ("json.tool", "--compact", str(tmp_path / "m.json"))
+    first = run_campaign([Part("bench", argv, gpus=0)], out, tmp_path)["parts"]["bench"]
+    assert first["status"] == "passed" and first["results"] == [{"mfu": 0.4}]
+    missing = ("no_such_module_here",)
+    plan = [Part("bench", argv, gpus=0, needs=missing), Part("never", argv, gpus=0, needs=missing)]
+    report = run_campaign(plan, out, tmp_path)
+    check_report_format(report)
+    assert json.loads((out / "report.json").read_text()) == report
+    kept, never = report["parts"]["bench"], report["parts"]["never"]
+    since = kept.pop("skipped_since")
+    assert kept == first
+    assert since["reason"] == never["reason"] == "needs no_such_module_here (not installed)"
+    assert since["finished"] and never["status"] == "skipped"
+    assert f"its run of {first['finished']} kept" in capsys.readouterr().out
+
+
+@no_cuda
+def test_a_kept_failure_does_not_fail_the_run_that_skipped_it(tmp_path):
+    log = tmp_path / "train_step_fp8.log"
+    log.write_text("Traceback ...\n")
+    failed = {"command": "python -m tools.bench", "log": str(log), "status": "failed",
+              "returncode": 1, "seconds": 3.0, "results": [], "finished": "2026-11-28T06:00:00"}  # fmt: skip
+    (tmp_path / "report.json").write_text(
+        json.dumps({"date": None, "env": None, "parts": {"train_step_fp8": failed}})
+    )
+    assert gpu_campaign.main(["--out-dir", str(tmp_path), "--only", "train_step_fp8"]) == 0
+    kept = json.loads((tmp_path / "report.json").read_text())["parts"]["train_step_fp8"]
+    assert kept.pop("skipped_since")["reason"].startswith("no CUDA device")
+    assert kept == failed
+
+
 def test_a_part_over_its_limit_is_killed_and_recorded_as_timeout(tmp_path):
     (tmp_path / "m.json").write_text('{"mfu": 0.4}')
     plan = [
