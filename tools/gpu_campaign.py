@@ -11,7 +11,7 @@ mid-part leaves the earlier parts' results. `--only` merges into an existing rep
 A part is `skipped`, never passed, with the reason: no CUDA device, fewer devices than it
 needs, or the modules it needs (named) not installed. A skip does not replace a part's
 earlier run in the report (a CPU machine, or a GPU without a module, would erase what a
-window measured): that run stays, its `skipped_since` saying when and why it was not
+window measured): that run stays, its `skipped_since` saying since when and why it is not
 re-run. Parts (`--list` prints them):
 
 - env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
@@ -374,8 +374,9 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
         reason = skip_reason(part, devices)
         earlier = report["parts"].get(part.name, {})
         if reason and earlier.get("status", "skipped") != "skipped":
-            # a machine that cannot run a part does not erase what one that could measured
-            earlier["skipped_since"] = {"reason": reason, "finished": _now()}
+            # a machine that cannot run a part does not erase what one that could measured;
+            # the first such skip is kept: skipped since then
+            earlier.setdefault("skipped_since", {"reason": reason, "finished": _now()})
             write_report(report_path, report)
             print(f"gpu_campaign: {part.name}: skipped {reason}; its run of "
                   f"{earlier.get('finished')} kept", flush=True)  # fmt: skip

@@ -206,6 +206,12 @@ def test_a_skip_keeps_the_parts_earlier_run_and_says_since_when(tmp_path, capsys
     assert since["reason"] == never["reason"] == "needs no_such_module_here (not installed)"
     assert since["finished"] and never["status"] == "skipped"
     assert f"its run of {first['finished']} kept" in capsys.readouterr().out
+    # skipped again later: still skipped since the first skip
+    first_skip = {"reason": since["reason"], "finished": "2026-01-01T00:00:00"}
+    report["parts"]["bench"]["skipped_since"] = first_skip
+    (out / "report.json").write_text(json.dumps(report))
+    again = run_campaign(plan[:1], out, tmp_path)["parts"]["bench"]
+    assert again == {**first, "skipped_since": first_skip}
 
 
 @no_cuda
