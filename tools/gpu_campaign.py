@@ -372,16 +372,16 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
     devices = cuda_devices()
     for part in plan:
         reason = skip_reason(part, devices)
-        earlier = report["parts"].get(part.name, {})
-        if reason and earlier.get("status", "skipped") != "skipped":
-            # a machine that cannot run a part does not erase what one that could measured;
-            # the first such skip is kept: skipped since then
-            earlier.setdefault("skipped_since", {"reason": reason, "finished": _now()})
-            write_report(report_path, report)
-            print(f"gpu_campaign: {part.name}: skipped {reason}; its run of "
-                  f"{earlier.get('finished')} kept", flush=True)  # fmt: skip
-            continue
         if reason:
+            earlier = report["parts"].get(part.name, {})
+            if earlier.get("status", "skipped") != "skipped":
+                # a machine that cannot run a part does not erase what one that could
+                # measured; the first such skip is kept: skipped since then
+                earlier.setdefault("skipped_since", {"reason": reason, "finished": _now()})
+                write_report(report_path, report)
+                print(f"gpu_campaign: {part.name}: skipped {reason}; its run of "
+                      f"{earlier.get('finished')} kept", flush=True)  # fmt: skip
+                continue
             record = {"status": "skipped", "reason": reason}
         else:
             print(f"gpu_campaign: {part.name} (limit {part.timeout_s} s) ...", flush=True)
