@@ -314,14 +314,21 @@ def test_host_batches_enter_roles_on_their_device_and_collectives_run_under_nccl
     assert reduce_over_ranks({"x": 1.0}) == {"x": 1.0}
 
 
-def test_the_micro_batches_of_an_update_make_one_host_synchronisation(single_rank, tiny_model_dir):
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_micro_batches_of_an_update_make_one_host_synchronisation(
+    single_rank, tiny_model_dir, packed
+):
     """Forward, losses and backward of every micro-batch run with the host ahead of the
     device: in the actor's (PPO with dual clip, positive-sample NLL, entropy and KL terms)
-    and the critic's `compute_gradients` the one synchronising call is the metrics' single
-    copy to the host. A read in a micro-batch's loss would make the host wait for the
-    device's whole forward before it queues the backward."""
+    and the critic's `compute_gradients` the one synchronising call after the split is the
+    metrics' single copy to the host. A read in a micro-batch's loss would make the host wait
+    for the device's whole forward before it queues the backward. Packed micro-batches
+    (`use_remove_padding`) read their rows' lengths and copy their segments' bounds at the
+    split, before any forward is queued; attention then slices by the host's bounds."""
     import warnings
 
+    from megatron_rl.data import batch as batch_module
+    from megatron_rl.data import packing
     from megatron_rl.workers import roles
     from megatron_rl.workers.critic import Critic
     from megatron_rl.workers.losses_config import ValueLossConfig
@@ -332,8 +339,10 @@ def test_the_micro_batches_of_an_update_make_one_host_synchronisation(single_ran
     bf16 = PrecisionConfig(params_dtype=torch.bfloat16)
     actor = Actor(RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16))
     critic = Critic(RoleModel(arch, layout, model_path=tiny_model_dir, precision=bf16))
+    actor.use_remove_padding = critic.use_remove_padding = packed
     batch = cuda_global_batch(arch)
     policy = PolicyLossConfig(dual_clip_c=3.0, nll_coef=0.1, entropy_coef=0.01, kl_loss_coef=0.1)
+    at_split = (batch_module.__file__, packing.__file__)  # before any forward is queued
     for role, cfg in ((actor, policy), (critic, ValueLossConfig())):
         role.compute_gradients(batch, cfg, num_microbatches=2)  # compiles the head's backward
         torch.cuda.synchronize()
@@ -345,7 +354,10 @@ def test_the_micro_batches_of_an_update_make_one_host_synchronisation(single_ran
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
-        assert metrics and len(syncs) == 1 and syncs[0].startswith(roles.__file__), syncs
+        after_split = [s for s in syncs if not s.startswith(at_split)]
+        assert metrics and len(after_split) == 1, syncs
+        assert after_split[0].startswith(roles.__file__), syncs
+        assert packed or len(syncs) == 1, syncs
 
 
 def test_a_bad_mask_on_the_device_is_refused_without_a_host_synchronisation():

@@ -95,10 +95,13 @@ class TrainingBatch:
             moved["packing"] = self.packing.to(device)
         return replace(self, **moved)
 
-    def packed(self, multiple: int = 1) -> TrainingBatch:
+    def packed(self, multiple: int = 1, lengths: list[int] | None = None) -> TrainingBatch:
         """This micro-batch to be run packed: its rows, each up to its length
-        (`sequence_lengths`), back to back in one row of a multiple of `multiple` tokens."""
-        return replace(self, packing=pack_rows(self.input_ids, self.sequence_lengths(), multiple))
+        (`sequence_lengths`, or `lengths` where the caller has read them to the host
+        already), back to back in one row of a multiple of `multiple` tokens."""
+        if lengths is None:
+            lengths = self.sequence_lengths().tolist()
+        return replace(self, packing=pack_rows(self.input_ids, lengths, multiple))
 
     @property
     def model_input_ids(self) -> torch.Tensor:
@@ -272,9 +275,13 @@ def split_micro_batches(
     longest; a token budget then counts packed tokens (`packed_partition`), not padded ones."""
     if max_tokens is None:
         if pack:
+            micro = batch.split(num_microbatches)
+            lengths = batch.sequence_lengths().tolist()  # one host read for every micro-batch
+            size = len(batch) // num_microbatches
+            rows = [lengths[i : i + size] for i in range(0, len(batch), size)]
             micro = [
-                mb.with_length(int(mb.sequence_lengths().max())).packed(multiple)
-                for mb in batch.split(num_microbatches)
+                mb.with_length(max(n)).packed(multiple, n)
+                for mb, n in zip(micro, rows, strict=True)
             ]
             return micro, None
         return batch.padded_to_multiple(multiple).split(num_microbatches), None
@@ -291,12 +298,12 @@ def split_micro_batches(
     device = batch.input_ids.device
     micro = []
     for rows in parts:
-        longest = max(lengths[i] for i in rows)
+        rows_lengths = [lengths[i] for i in rows]
         mb = batch.rows(torch.tensor(rows, device=device))
         micro.append(
-            mb.with_length(longest).packed(multiple)
+            mb.with_length(max(rows_lengths)).packed(multiple, rows_lengths)
             if pack
-            else mb.with_length(round_up(longest, multiple))
+            else mb.with_length(round_up(max(rows_lengths), multiple))
         )
     return micro, torch.tensor([i for rows in parts for i in rows], device=device)
 

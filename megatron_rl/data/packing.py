@@ -14,6 +14,7 @@ with `Packing.to_tokens`, so every loss and estimator reads the same tensors as 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,34 +30,45 @@ class Packing:
     """[1, T] each token's position within its own row (restarting at 0)."""
     cu_seqlens: torch.Tensor
     """[n + 1] int32 segment boundaries (the trailing padding, if any, is a segment too)."""
-    max_seqlen: int
+    bounds: tuple[int, ...]
+    """The same boundaries on the host: attention slices its segments by them, where reading
+    `cu_seqlens` back would make the host wait for the device at every layer."""
     next_index: torch.Tensor
     """[T] long: for the packed token at p, the index in the flattened [b, s] layout of the
-    token after it in its row; -1 where none is (a row's last token, padding)."""
+    token after it in its row; b * s (a slot past the end, dropped) where none is (a row's
+    last token, padding)."""
     shape: tuple[int, int]
     """(b, s) of the unpacked micro-batch."""
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(end - start for start, end in zip(self.bounds, self.bounds[1:], strict=False))
 
     def to(self, device: torch.device) -> Packing:
         return Packing(
             input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device),
             cu_seqlens=self.cu_seqlens.to(device),
-            max_seqlen=self.max_seqlen,
+            bounds=self.bounds,
             next_index=self.next_index.to(device),
             shape=self.shape,
         )
 
     def packed_seq_params(self):
+        """megatron-core's `PackedSeqParams` of these segments, carrying `bounds` as
+        `host_bounds` (read by `models/attention.py`)."""
         # why: megatron-core takes seconds to import: loaded on first use
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(
+        params = PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
+        params.host_bounds = self.bounds
+        return params
 
     def next_tokens(self) -> torch.Tensor:
         """[1, T] the label of each packed position: the next token of the packed row (at a
@@ -66,45 +78,43 @@ class Packing:
     def to_tokens(self, per_position: torch.Tensor) -> torch.Tensor:
         """[1, T] or [T] values computed at each packed position about the next token ->
         [b, s] aligned to tokens like `batch.shift_to_tokens` of the unpacked rows (0 at
-        column 0 and past each row's length). Differentiable."""
-        flat = per_position.reshape(-1)
-        kept = self.next_index >= 0
-        out = flat.new_zeros(self.shape[0] * self.shape[1])
-        out = out.index_put((self.next_index[kept],), flat[kept])
-        return out.view(self.shape)
+        column 0 and past each row's length). Differentiable; no host read (the positions
+        without a next token write into the dropped slot, not through a boolean mask)."""
+        n = self.shape[0] * self.shape[1]
+        out = per_position.new_zeros(n + 1).index_put((self.next_index,), per_position.reshape(-1))
+        return out[:n].view(self.shape)
 
 
-def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> Packing:
-    """Pack `input_ids` [b, s], row i's first `lengths[i]` tokens, into one row whose length
-    is a multiple of `multiple` (zero tokens of a segment of their own at the end)."""
+def pack_rows(input_ids: torch.Tensor, lengths: list[int], multiple: int = 1) -> Packing:
+    """Pack `input_ids` [b, s], row i's first `lengths[i]` tokens (given on the host: the
+    bounds are host numbers, `Packing.bounds`), into one row whose length is a multiple of
+    `multiple` (zero tokens of a segment of their own at the end)."""
     b, s = input_ids.shape
+    if len(lengths) != b or any(not 1 <= n <= s for n in lengths):
+        raise ValueError(f"row lengths {list(lengths)}: expected {b} lengths in 1..{s}")
     device = input_ids.device
-    lengths = lengths.to(device=device, dtype=torch.long)
-    if bool((lengths < 1).any()) or bool((lengths > s).any()):
-        raise ValueError(f"row lengths {lengths.tolist()} outside 1..{s}")
-    total = int(lengths.sum())
+    total = sum(lengths)
     padded = -(-total // multiple) * multiple
-    starts = torch.cumsum(lengths, 0) - lengths
-    # each packed token's row and column in the [b, s] layout
-    row = torch.repeat_interleave(torch.arange(b, device=device), lengths)
-    col = torch.arange(total, device=device) - torch.repeat_interleave(starts, lengths)
+    bounds = [0, *itertools.accumulate(lengths)]
+    if padded > total:
+        bounds.append(padded)
+    lengths_d = torch.tensor(lengths, device=device)
+    starts = torch.cumsum(lengths_d, 0) - lengths_d
+    # each packed token's row and column in the [b, s] layout (sizes given: no host read)
+    row = torch.arange(b, device=device).repeat_interleave(lengths_d, output_size=total)
+    col = torch.arange(total, device=device) - starts[row]
     flat = row * s + col
     ids = torch.zeros(1, padded, dtype=input_ids.dtype, device=device)
     ids[0, :total] = input_ids.reshape(-1)[flat]
     positions = torch.zeros(1, padded, dtype=torch.long, device=device)
     positions[0, :total] = col
-    next_index = torch.full((padded,), -1, dtype=torch.long, device=device)
-    not_last = col < lengths[row] - 1
-    next_index[:total] = torch.where(not_last, flat + 1, -1)
-    bounds = [0, *torch.cumsum(lengths, 0).tolist()]
-    if padded > total:
-        bounds.append(padded)
-    segment_lengths = [e - a for a, e in zip(bounds, bounds[1:], strict=False)]
+    next_index = torch.full((padded,), b * s, dtype=torch.long, device=device)
+    next_index[:total] = torch.where(col < lengths_d[row] - 1, flat + 1, b * s)
     return Packing(
         input_ids=ids,
         position_ids=positions,
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
-        max_seqlen=max(segment_lengths),
+        bounds=tuple(bounds),
         next_index=next_index,
         shape=(b, s),
     )

@@ -107,7 +107,8 @@ class SDPAttention(torch.nn.Module):
         """megatron's `thd` layout (packed sequences, `data/packing.py`): query [t, np, hn],
         key and value [t, ng, hn], segments at `cu_seqlens` -> [t, np * hn], each segment
         attending causally within itself only. One kernel call a segment (no varlen kernel
-        in PyTorch's CPU build): the cost is that of the segments, sum(l_i^2), never t^2."""
+        in PyTorch's CPU build): the cost is that of the segments, sum(l_i^2), never t^2.
+        The segments' bounds come from `params.host_bounds` where set, else from the device."""
         if params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: expected thd")
         extra = [
@@ -115,12 +116,17 @@ class SDPAttention(torch.nn.Module):
             for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")
             if getattr(params, name) is not None
         ]
-        if extra or not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+        same = params.cu_seqlens_q is params.cu_seqlens_kv
+        if extra or not (same or torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)):
             raise ValueError(
                 "SDPAttention packs self-attention with one set of segments: cu_seqlens_q == "
                 f"cu_seqlens_kv and no padded ones (got {extra or 'different q/kv segments'})"
             )
-        bounds = params.cu_seqlens_q.tolist()
+        # the bounds on the host where packing made them (`data/packing.py`); reading them
+        # from the device would make the host wait for it at every layer
+        bounds = getattr(params, "host_bounds", None)
+        if bounds is None:
+            bounds = params.cu_seqlens_q.tolist()
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} tokens")
         t, heads, head_dim = query.shape

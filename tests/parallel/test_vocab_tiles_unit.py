@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel import vocab
+from tests.host_reads import HostReads
 from tests.tolerances import BF16_MODEL, FP32_MODEL, assert_close
 
 VOCAB, PADDED, HIDDEN, TOKENS = 1000, 1024, 48, 90
@@ -114,23 +115,10 @@ def test_the_tiled_head_reads_nothing_back_to_the_host(entropy_in_loss):
     queue on a GPU without the host waiting: no op whose result the host must read (a
     scalar, `nonzero`, a boolean mask's index). The eager backward serves where the
     compiled one does not (CPU, no Triton)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    reads = []
-
-    class HostReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            indices = args[1] if name.startswith("index") and len(args) > 1 else ()
-            bool_index = any(getattr(i, "dtype", None) == torch.bool for i in indices or ())
-            if name in ("_local_scalar_dense", "nonzero", "is_nonzero", "equal") or bool_index:
-                reads.append(name)
-            return func(*args, **(kwargs or {}))
-
     hidden, weight, labels, coef = _inputs(torch.float32)
-    with HostReads():
+    with HostReads() as reads:
         _run(hidden, weight, labels, coef, (32, 100), entropy_in_loss)
-    assert not reads, reads
+    assert not reads.sites, reads.sites
 
 
 def test_blocks_of_rows_cost_the_host_few_ops_each():

@@ -3,7 +3,8 @@
 For each layout in --layouts (run one after another in this job; "-pack": packed
 micro-batches), saves per rank:
 actor gradients (HF names, full tensors) for two loss settings, critic gradients, this DP
-rank's log-probs and values, and the rows they belong to -> --out-dir/{layout}.rank{r}.pt.
+rank's log-probs and values, the rows they belong to, and where those calls read tensors
+back to the host (`tests/host_reads.py`) -> --out-dir/{layout}.rank{r}.pt.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.policy import Actor
 from megatron_rl.workers.spec import RoleModel
+from tests.host_reads import HostReads
 
 SP = distributed.ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
 PP = distributed.ParallelLayout(pipeline_model_parallel_size=2)
@@ -121,14 +123,19 @@ def run_layout(name, arch, hf_dir, batch, out_dir):
     pack = "-pack" in name
     model = RoleModel(arch, layout, model_path=hf_dir, use_remove_padding=pack)
     actor = Actor(model)
+    reads = HostReads()
     for loss_name, cfg in LOSSES.items():
-        result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
+        with reads:
+            result["metrics"][loss_name] = actor.compute_gradients(local, cfg, **split)
         result["grads"][loss_name] = dict(export_hf_tensors(actor.chunks, arch, grads=True))
-    result["logprobs"] = actor.compute_logprobs(local, **split)
+    with reads:
+        result["logprobs"] = actor.compute_logprobs(local, **split)
 
     critic = Critic(model)
-    result["values"] = critic.compute_values(local, **split)
-    result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
+    with reads:
+        result["values"] = critic.compute_values(local, **split)
+        result["metrics"]["critic"] = critic.compute_gradients(local, ValueLossConfig(), **split)
+    result["host_reads"] = dict(reads.sites)
     result["critic_grads"] = dict(export_hf_tensors(critic.chunks, arch, grads=True))
 
     torch.save(result, Path(out_dir) / f"{name}.rank{ctx.rank}.pt")

@@ -36,13 +36,14 @@ LAYOUTS = [
 
 def merge(out_dir, name):
     """Per-rank results of one layout -> one view of the global batch."""
-    merged = {"grads": {}, "critic_grads": {}, "metrics": {}}
+    merged = {"grads": {}, "critic_grads": {}, "metrics": {}, "host_reads": []}
     logprobs, values = {}, {}
     for f in sorted(out_dir.glob(f"{name}.rank*.pt")):
         r = torch.load(f, map_location="cpu")
         for loss, grads in r["grads"].items():
             merged["grads"].setdefault(loss, {}).update(grads)
         merged["critic_grads"].update(r["critic_grads"])
+        merged["host_reads"].append(r["host_reads"])
         for loss, metrics in r["metrics"].items():
             if metrics:  # only the last pipeline stage computes the loss
                 merged["metrics"][loss] = metrics
@@ -91,6 +92,36 @@ def test_critic_gradients_do_not_depend_on_the_split(results, layout):
     reference = results["dp1-mb1"]["critic_grads"]
     assert "score.weight" in reference and "lm_head.weight" not in reference
     assert relative_max_diff(reference, results[layout]["critic_grads"]) <= 1e-5
+
+
+CALLS = 6
+"""Role calls a layout's host reads are counted over: three actor updates, its log-probs,
+the critic's values and its update (`tests/torchrun/actor_critic.py`)."""
+HOST_READS = {
+    # the metrics of an update, in one copy
+    "tolist megatron_rl/workers/roles.py:compute_gradients": 4,
+    # the rows' lengths, once a split, to cut micro-batches by a token budget or pack them
+    "tolist megatron_rl/data/batch.py:split_micro_batches": CALLS,
+    # a mask's values: on the CPU only (an accelerator checks them on the device)
+    "_local_scalar_dense megatron_rl/algorithms/checks.py:check_mask": None,
+    # megatron-core's pipeline stages exchange each activation's shape (variable lengths)
+    "tolist megatron/core/pipeline_parallel/p2p_communication.py:_communicate_shapes": None,
+}
+"""Where an update, its log-probs and values may read tensors back to the host, and how often
+at most (None: not counted)."""
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "dp2-bal"])
+def test_models_and_losses_read_nothing_back_to_the_host(results, layout):
+    """On a GPU each read makes the host wait for the device's queue: packed or not, at any
+    layout, no forward, loss or backward of a micro-batch reads (attention takes packed
+    segments' bounds from the host, not from `cu_seqlens`); the few reads there are happen
+    at the split and once for an update's metrics."""
+    for rank, reads in enumerate(results[layout]["host_reads"]):
+        unexpected = {site: n for site, n in reads.items() if site not in HOST_READS}
+        assert not unexpected, f"{layout} rank {rank}: {unexpected}"
+        for site, most in HOST_READS.items():
+            assert most is None or reads.get(site, 0) <= most, (layout, rank, site, reads)
 
 
 def test_balancing_re_deals_whole_rows_and_evens_the_ranks_tokens(results, tiny_model_dir):
