@@ -418,6 +418,38 @@ def test_bf16_long_sequence_packed_equals_unpacked_and_holds_no_s_squared(
     assert torch.cuda.max_memory_allocated() < 2 * 2**30
 
 
+def test_packed_attention_in_one_flash_kernel_equals_one_call_a_segment(monkeypatch):
+    """On CUDA in bf16, packed segments go to flash attention's variable-length kernel in
+    one call (`models/attention.py`): its outputs and gradients equal one fused-kernel call
+    a segment (the CPU's way), at qwen2.5-0.5b's heads (14 query, 2 key/value, 64 wide)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_rl.models import attention
+    from tests.models.test_attention_unit import _module
+
+    bounds = (0, 300, 317, 1000, 1024)
+    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    params.host_bounds = bounds
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [
+        torch.randn(1024, n, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+        for n in (14, 2, 2)
+    ]
+    grad_out = torch.randn(1024, 14 * 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    assert attention.flash_varlen_runs(qkv[0])
+    results = []
+    for varlen in (True, False):
+        monkeypatch.setattr(attention, "flash_varlen_runs", lambda query, on=varlen: on)
+        inputs = [x.clone().requires_grad_(True) for x in qkv]
+        out = _module()(*inputs, None, packed_seq_params=params)
+        out.backward(grad_out)
+        results.append([out.detach(), *(x.grad for x in inputs)])
+    for name, ours, theirs in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert theirs.abs().max() > 0.1  # not a degenerate comparison
+        assert_close(ours.float(), theirs.float(), BF16_MODEL, name)
+
+
 @pytest.mark.parametrize("entropy", ["in_loss", "not_in_loss", "not_calculated"])
 def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     single_rank, entropy

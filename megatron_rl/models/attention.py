@@ -12,7 +12,9 @@ ever made, forward or backward; grouped-query attention is passed to the kernel 
 (`enable_gqa`), without repeating K and V. It sits below the QKV projection, so tensor
 parallelism (heads split over ranks), sequence parallelism (the projection gathers the
 sequence before it), pipeline parallelism and activation recompute (megatron's selective
-`core_attn` checkpoints this module) work as with the unfused module.
+`core_attn` checkpoints this module) work as with the unfused module. Packed micro-batches
+(megatron's `thd` layout) attend within each of their segments: in one call of flash
+attention's variable-length kernel on CUDA in half precision, one call a segment elsewhere.
 """
 
 from __future__ import annotations
@@ -106,9 +108,12 @@ class SDPAttention(torch.nn.Module):
     def _packed(self, query, key, value, params) -> torch.Tensor:
         """megatron's `thd` layout (packed sequences, `data/packing.py`): query [t, np, hn],
         key and value [t, ng, hn], segments at `cu_seqlens` -> [t, np * hn], each segment
-        attending causally within itself only. One kernel call a segment (no varlen kernel
-        in PyTorch's CPU build): the cost is that of the segments, sum(l_i^2), never t^2.
-        The segments' bounds come from `params.host_bounds` where set, else from the device."""
+        attending causally within itself only: the cost is that of the segments,
+        sum(l_i^2), never t^2. Where flash attention's variable-length kernel runs
+        (`flash_varlen_runs`: CUDA, half precision) all segments go to it in one call, grouped
+        query attention included; elsewhere (PyTorch's CPU build has no such kernel) one
+        call a segment. The segments' bounds come from `params.host_bounds` where set, else
+        from the device."""
         if params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format={params.qkv_format!r}: expected thd")
         extra = [
@@ -130,9 +135,39 @@ class SDPAttention(torch.nn.Module):
         if bounds[0] != 0 or bounds[-1] != query.shape[0]:
             raise ValueError(f"cu_seqlens {bounds} do not cover the {query.shape[0]} tokens")
         t, heads, head_dim = query.shape
+        if flash_varlen_runs(query):
+            longest = max(end - start for start, end in zip(bounds, bounds[1:], strict=False))
+            # the aten op that torch's own `varlen_attn` and jagged tensors call; its
+            # positional signature has held since torch 2.2, the public wrapper's has not
+            out = torch.ops.aten._flash_attention_forward(
+                query,
+                key,
+                value,
+                params.cu_seqlens_q,
+                params.cu_seqlens_kv,
+                longest,
+                longest,
+                self.dropout if self.training else 0.0,
+                True,  # causal
+                False,  # no debug mask
+                scale=self.softmax_scale,
+            )[0]
+            return out.reshape(t, heads * head_dim)
         pieces = []
         for start, end in zip(bounds, bounds[1:], strict=False):
             # [l, n, d] -> [1, n, l, d]
             q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             pieces.append(self._attend(q, k, v)[0].transpose(0, 1))
         return torch.cat(pieces).reshape(t, heads * head_dim)
+
+
+def flash_varlen_runs(query: torch.Tensor) -> bool:
+    """Whether flash attention's variable-length kernel takes these queries [t, n, d]: on
+    CUDA, in fp16 or bf16, with a head size it has kernels for (a multiple of 8, at most
+    256)."""
+    return (
+        query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 256
+    )
