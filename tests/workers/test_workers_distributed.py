@@ -98,7 +98,7 @@ CALLS = 6
 """Role calls a layout's host reads are counted over: three actor updates, its log-probs,
 the critic's values and its update (`tests/torchrun/actor_critic.py`)."""
 HOST_READS = {
-    # the metrics of an update, in one copy
+    # the metrics of an update, in one copy (four of the calls are updates)
     "tolist megatron_rl/workers/roles.py:compute_gradients": 4,
     # the rows' lengths, once a split, to cut micro-batches by a token budget or pack them
     "tolist megatron_rl/data/batch.py:split_micro_batches": CALLS,
