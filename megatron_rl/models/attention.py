@@ -163,12 +163,16 @@ class SDPAttention(torch.nn.Module):
 
 def flash_varlen_runs(query: torch.Tensor) -> bool:
     """Whether flash attention's variable-length kernel takes these queries [t, n, d]: on
-    CUDA from Ampere on (torch builds its flash kernels for sm80+), in fp16 or bf16, with
-    a head size it has kernels for (a multiple of 8, at most 256)."""
+    CUDA from Ampere on (torch builds its flash kernels for sm80+), in a torch built with
+    them and with flash SDPA left enabled (`torch.backends.cuda.enable_flash_sdp(False)`
+    turns this off too), in fp16 or bf16, with a head size it has kernels for (a multiple
+    of 8, at most 256)."""
     return (
         query.is_cuda
         and query.dtype in (torch.float16, torch.bfloat16)
         and query.shape[-1] % 8 == 0
         and query.shape[-1] <= 256
+        and torch.backends.cuda.is_flash_attention_available()
+        and torch.backends.cuda.flash_sdp_enabled()
         and torch.cuda.get_device_capability(query.device) >= (8, 0)
     )
