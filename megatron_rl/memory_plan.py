@@ -34,8 +34,9 @@ layer's input and recomputes one layer at a time; selective recompute (megatron'
 `core_attn`) drops the attention core's saved tensors but its inputs and output, which with
 fused attention (no s x s scores) saves nothing.
 The policy's last stage never holds the [micro-batch, seq, vocab/TP] logits: log-probs and
-entropy are made a tile (tokens x vocabulary rows) at a time and recomputed in backward
-(`megatron_rl.parallel.vocab`); it keeps the hidden states, and in backward one tile's fp32
+entropy are made a tile (tokens x vocabulary rows) at a time (`megatron_rl.parallel.vocab`);
+it keeps the hidden states and the tiles' probabilities in the weight's dtype (none with
+`logits_checkpointing`, which recomputes them in backward), and in backward one tile's fp32
 logits, three tensors their size and the projection's fp32 gradient are alive at once
 (`head_workspace_bytes`, in the plan's activations).
 
@@ -103,6 +104,8 @@ class MemoryPlanConfig:
     unused); per-token terms that grow with the length stay bounded by seq_length."""
     recompute_granularity: str | None = None
     """None, "selective" (attention core) or "full" (every layer, uniform, 1 layer a chunk)."""
+    logits_checkpointing: bool = False
+    """`actor.logits_checkpointing`: the policy's head keeps no probabilities for backward."""
     fp8: bool = False
     params_dtype: str = "bf16"
     """bf16 (GPU) or fp32 (the CPU path)."""
@@ -454,7 +457,9 @@ def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
     """Last stage: the final norm, the head's input (the whole sequence's hidden states),
     and for the policy what the chunked log-probs keep for backward besides
     (`parallel.vocab.chunked_logprobs_entropy`): the labels (int64) and each token's fp32
-    log-sum-exp and entropy; never the logits (`head_workspace_bytes`)."""
+    log-sum-exp and entropy, and without `logits_checkpointing` its probabilities over this
+    rank's real vocabulary rows in the weight's dtype (and each block of rows' fp32 max);
+    never the logits (`head_workspace_bytes`)."""
     tp = c.tensor_model_parallel_size
     sp = tp if c.sequence_parallel else 1
     tokens = c.micro_batch_tokens
@@ -470,6 +475,10 @@ def head_bytes(arch: ModelArchitecture, c: MemoryPlanConfig, role: str) -> int:
     else:
         norm, hidden = 3 * h + 1, 0
     policy = 8 + 2 * 4 if role != "critic" else 0  # labels (int64), log-sum-exp, entropy
+    if role != "critic" and not c.logits_checkpointing:
+        # the real rows of the first rank, which holds the most (padding is at the end)
+        rows = min(arch.padded_vocab_size(tp) // tp, arch.vocab_size)
+        policy += rows * width + 4 * -(-rows // tile_shape(tokens, rows)[1])
     return int(tokens * ((norm + hidden) * width + policy))
 
 

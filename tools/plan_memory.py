@@ -96,6 +96,7 @@ def recipe_settings(path: str) -> dict:
         seq_length=c.data.max_prompt_length + c.rollout.max_new_tokens,
         max_tokens_per_micro_batch=c.actor.token_budget(),
         recompute_granularity=c.model.recompute.granularity,
+        logits_checkpointing=c.actor.logits_checkpointing,
         fp8=c.model.precision.fp8 is not None,
         params_dtype="bf16" if c.model.precision.bf16 else "fp32",
         critic=c.use_critic,
@@ -180,6 +181,11 @@ def main(argv=None) -> int:
         help="use_dynamic_bsz: the token budget (actor.ppo_max_token_len_per_gpu)",
     )
     p.add_argument("--recompute", type=_list(_recompute), help="none, selective, full")
+    p.add_argument(
+        "--logits-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="actor.logits_checkpointing: the head keeps no probabilities for backward",
+    )
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction)
     p.add_argument("--params-dtype", choices=["bf16", "fp32"])
     p.add_argument("--profile", choices=["te", "local"], default="te")
@@ -236,6 +242,7 @@ def main(argv=None) -> int:
         "num_microbatches": a.num_microbatches,
         "seq_length": a.seq_length,
         "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+        "logits_checkpointing": a.logits_checkpointing,
         "fp8": a.fp8,
         "params_dtype": a.params_dtype,
         "profile": a.profile,

@@ -293,6 +293,13 @@ class ActorConfig(RoleConfig):
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
     """Mixtures of experts: rollout routing replay (R3) or its mismatch measure (verl's
     `actor.router_replay`; `models/router_replay.py`)."""
+    logits_checkpointing: bool = False
+    """Recompute the head's logits in backward, a tile at a time, keeping nothing
+    [tokens, vocabulary]-sized from forward (the leanest head; named like verl's
+    `entropy_checkpointing`). False: forward keeps each tile's probabilities in the weight's
+    dtype (V/TP x 2 bytes a token in bf16, half the fp32 logits a plain step keeps) and
+    backward skips one of the head's three GEMMs (`parallel/vocab.py`). The memory planner
+    prices either."""
 
     forward_budget_key: ClassVar[str] = "log_prob_max_token_len_per_gpu"
 

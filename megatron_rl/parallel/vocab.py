@@ -130,24 +130,45 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
     written straight in the weight's dtype, or on CUDA the same maths compiled into one pass
     (`vocab_fused`). Both gradients accumulate in fp32 (inside the GEMM on CUDA: `_gemm_into`)
     and are rounded to the weight's dtype once.
+
+    With `keep_probs` forward also keeps each tile's exp(l - m_block) in the weight's dtype
+    ([tokens, V'] in all: half the bytes of bf16 training's fp32 logits) with the blocks'
+    maxima, and backward reads log p from them instead of recomputing the tile's GEMM: one
+    GEMM of the head's three in backward saved (a twelfth of a 0.5B model's GEMM FLOPs at a
+    152k vocabulary) for the kept bytes. Rounding them to bf16 loses nothing where it
+    would matter: a probability near 1, whose gradient 1 - p would cancel, is its block's
+    largest, whose kept exp(0) = 1 is exact.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_size, temperature, tile, calculate_entropy):
+    def forward(
+        ctx, hidden, weight, labels, vocab_size, temperature, tile, calculate_entropy, keep_probs
+    ):
         rank, tp_size, group = _tp()
         ctx.full_rows = weight.shape[0]
         first = rank * weight.shape[0]
         weight = weight[: max(0, min(weight.shape[0], vocab_size - first))]  # real rows only
-        n = hidden.shape[0]
+        n, rows = hidden.shape[0], weight.shape[0]
         chunk, block = tile
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(lse) if calculate_entropy else None
         target = torch.empty_like(lse)
+        kept = block_max = None
+        if keep_probs and rows > 0:
+            kept = torch.empty(n, rows, dtype=weight.dtype, device=hidden.device)
+            block_max = lse.new_empty(-(-rows // block), n)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h, local_labels = hidden[start:end], labels[start:end] - first
             m, s, d, picked = _row_block_sums(
-                h, weight, local_labels, temperature, block, calculate_entropy
+                h,
+                weight,
+                local_labels,
+                temperature,
+                block,
+                calculate_entropy,
+                kept=None if kept is None else kept[start:end],
+                block_max=None if kept is None else block_max[:, start:end],
             )
             if tp_size > 1:  # every slice's sums, rescaled to the global max
                 top = m.clone()
@@ -159,14 +180,14 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             lse[start:end], target[start:end] = m + log_s, picked
             if calculate_entropy:
                 entropy[start:end] = log_s - d / s
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy, kept, block_max)
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, not zeros
         ctx.temperature, ctx.tile, ctx.first = temperature, tile, first
         return target - lse, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+        hidden, weight, labels, lse, entropy, kept, block_max = ctx.saved_tensors
         (rows, h_size), first, t = weight.shape, ctx.first, ctx.temperature
         chunk, block = ctx.tile
         n = hidden.shape[0]
@@ -178,7 +199,10 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
             else None
         )
         if rows > 0 and (grad_logprobs is not None or grad_entropy is not None):
-            fused = vocab_fused.compiled_grad(hidden.device.type)
+            if kept is None:
+                fused = vocab_fused.compiled_grad(hidden.device.type)
+            else:
+                fused = vocab_fused.compiled_kept_grad(hidden.device.type)
             # the hidden states' gradient summed over blocks of rows: in fp32 where they are not
             summed = grad_hidden is not None and rows > block and hidden.dtype != torch.float32
             acc = hidden.new_empty(min(chunk, n), h_size, dtype=torch.float32) if summed else None
@@ -194,9 +218,27 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 into = None
                 if grad_hidden is not None:
                     into = acc[: end - start] if summed else grad_hidden[start:end]
-                for row in range(0, rows, block):
+                for i, row in enumerate(range(0, rows, block)):
                     w = weight[row : row + block]
-                    if fused is not None:
+                    if kept is not None:  # log p from the kept exp(l - m_block), no GEMM
+                        args = (
+                            kept[start:end, row : row + block],
+                            block_max[i, start:end] - lse[start:end],
+                        )
+                        if fused is not None:
+                            grad = fused(
+                                *args, g_lp, g_h, entropy_here, local_labels - row, weight.dtype
+                            )
+                        else:
+                            grad = _chunk_logits_grad(
+                                _kept_log_p(*args),
+                                g_lp,
+                                g_h,
+                                None if g_h is None else entropy[start:end],
+                                local_labels - row,
+                                weight.dtype,
+                            )
+                    elif fused is not None:
                         grad = fused(
                             _chunk_logits(h, w, 1.0),
                             lse[start:end],
@@ -224,24 +266,40 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                     grad_hidden[start:end] = into
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _row_block_sums(
-    h, weight, local_labels, temperature: float, block: int, calculate_entropy: bool = True
+    h,
+    weight,
+    local_labels,
+    temperature: float,
+    block: int,
+    calculate_entropy: bool = True,
+    kept: torch.Tensor | None = None,
+    block_max: torch.Tensor | None = None,
 ):
     """(m, s, d, picked), each [C], of the tokens `h` [C, h] over all of `weight`'s rows, a
     block of `block` rows at a time (`_chunk_sums`; d = 0 without `calculate_entropy`). Each
     block writes its four sums into one [4, blocks, C] buffer, rescaled to their common max
     once at the end: a handful of ops per block, launched from the host, where merging block
-    by block took twice as many."""
+    by block took twice as many. With `kept` [C, rows] each block also writes its
+    exp(l - m_block) there, and `block_max` [blocks, C] gets the blocks' maxima."""
     rows = weight.shape[0]
     starts = range(0, max(rows, 1), block)  # one empty block where no rows are real
     sums = torch.empty(4, len(starts), h.shape[0], dtype=torch.float32, device=h.device)
     for i, row in enumerate(starts):
         logits = _chunk_logits(h, weight[row : row + block], temperature)
         labels_here = local_labels - row if row else local_labels
-        _chunk_sums(logits, labels_here, out=sums[:, i], calculate_entropy=calculate_entropy)
+        _chunk_sums(
+            logits,
+            labels_here,
+            out=sums[:, i],
+            calculate_entropy=calculate_entropy,
+            kept=None if kept is None else kept[:, row : row + block],
+        )
+    if block_max is not None:
+        block_max.copy_(sums[0])
     if len(starts) == 1:
         return sums[:, 0].unbind(0)
     m, s, d, picked = sums
@@ -250,12 +308,13 @@ def _row_block_sums(
     return top, s.sum(dim=0), d.sum(dim=0), picked.sum(dim=0)  # one block holds each label
 
 
-def _chunk_sums(logits, local_labels, out=None, calculate_entropy: bool = True):
+def _chunk_sums(logits, local_labels, out=None, calculate_entropy: bool = True, kept=None):
     """Over one tile of fp32 logits [C, R] (consumed): the max m, s = sum exp(l - m),
     d = sum exp(l - m) (l - m) (0 without `calculate_entropy`, which saves a product and a
     sum over the tile, four of its eleven passes with the GEMM's) and each label's logit where
     the tile's rows hold it (else 0), each [C], written into the rows of `out` [4, C] (new
-    where None)."""
+    where None). exp(l - m) is also written into `kept` [C, R] where given (in its dtype; the
+    sums are taken in fp32 before that rounding)."""
     c, rows = logits.shape
     if out is None:
         out = logits.new_empty(4, c)
@@ -269,16 +328,28 @@ def _chunk_sums(logits, local_labels, out=None, calculate_entropy: bool = True):
     torch.mul(label_logits, here, out=picked)  # finite logits: x * 0 = 0
     torch.amax(logits, dim=-1, out=m)
     shifted = logits.sub_(m[:, None])
+    if kept is not None and kept.dtype == logits.dtype:
+        e = torch.exp(shifted, out=kept)
+    else:
+        e = torch.exp(shifted) if calculate_entropy else shifted.exp_()
+        if kept is not None:
+            kept.copy_(e)
+    torch.sum(e, dim=-1, out=s)
     if not calculate_entropy:
-        torch.sum(shifted.exp_(), dim=-1, out=s)
         d.zero_()
         return m, s, d, picked
-    e = torch.exp(shifted)
-    torch.sum(e, dim=-1, out=s)
     # a product in place and a sum: a batched GEMV (bmm) reads the two at a fraction of the
-    # bandwidth (0.49 ms a 441 x 152k chunk on an H200) and is slower on CPU too
-    torch.sum(e.mul_(shifted), dim=-1, out=d)
+    # bandwidth (0.49 ms a 441 x 152k chunk on an H200) and is slower on CPU too; the
+    # product goes into the shifted logits, which nothing reads after its sum
+    torch.sum(shifted.mul_(e), dim=-1, out=d)
     return m, s, d, picked
+
+
+def _kept_log_p(kept, shift):
+    """fp32 log p [C, R] of one tile from its kept exp(l - m_block) [C, R] and
+    shift = m_block - log-sum-exp [C]."""
+    log_p = torch.log(kept.float() if kept.dtype != torch.float32 else kept)
+    return log_p.clamp_(min=vocab_fused.LOG_FLOOR).add_(shift[:, None])
 
 
 def _chunk_logits_grad(log_p, g_lp, g_h, entropy, local_labels, dtype):
@@ -374,6 +445,7 @@ def chunked_logprobs_entropy(
     temperature: float = 1.0,
     tile: tuple[int, int] | None = None,
     calculate_entropy: bool = True,
+    keep_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(labels), entropy) under softmax(hidden @ weight^T / temperature), without ever
     materialising the [tokens, V/tp] logits: a tile of (tokens, vocabulary rows) at a time
@@ -385,6 +457,9 @@ def chunked_logprobs_entropy(
     `vocab_parallel_entropy` of the full logits, gradients included; the entropy is None
     without `calculate_entropy` (verl's name), which spares each tile a product and a sum
     (the log-probs of a rollout's old policy, reference or teacher need no entropy).
+    `keep_probs` keeps each tile's probabilities, [tokens, V/tp] in the weight's dtype, from
+    forward to backward instead of recomputing the logits (`_ChunkedLogProbsEntropy`); only
+    where a gradient can flow (never under `torch.no_grad()`).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -399,5 +474,6 @@ def chunked_logprobs_entropy(
         temperature,
         tile or tile_shape(labels.numel(), weight.shape[0]),
         calculate_entropy,
+        keep_probs and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
     )
     return logprobs.view(shape), None if entropy is None else entropy.view(shape)

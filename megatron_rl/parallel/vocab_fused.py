@@ -23,6 +23,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
+LOG_FLOOR = -1.0e4
+"""log of a kept exp(l - m) that underflowed to 0 is -inf; floored here, its probability
+is still 0 while -g_h (log p + H) stays finite (0 * inf would be NaN)."""
+
 
 def chunk_logits_grad(
     raw: torch.Tensor,
@@ -39,11 +43,35 @@ def chunk_logits_grad(
     term no loss reads): p * (-g_h (log p + H) - g_lp) + g_lp onehot(y), the one-hot term
     added in fp32 before the one rounding (a comparison inside the pass: no host
     synchronisation). `vocab._chunk_logits_grad`, fused."""
-    log_p = raw / temperature - lse[:, None]
-    cols = torch.arange(raw.shape[1], device=raw.device)
-    at_label = torch.where(cols[None, :] == local_labels[:, None], g_lp[:, None], 0.0)
+    at_label = _at_label(raw, local_labels)
+    return _grad_of_log_p(raw / temperature - lse[:, None], at_label, g_lp, g_h, entropy, dtype)
+
+
+def kept_probs_grad(
+    kept: torch.Tensor,
+    shift: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_h: torch.Tensor,
+    entropy: torch.Tensor,
+    local_labels: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The same dL/dl from the forward's kept exp(l - m_block) [C, V'] instead of the logits:
+    log p = log(kept) + shift, shift = m_block - log-sum-exp [C]. `vocab._kept_log_p` then
+    `vocab._chunk_logits_grad`, fused."""
+    log_p = torch.log(kept.float()).clamp(min=LOG_FLOOR) + shift[:, None]
+    return _grad_of_log_p(log_p, _at_label(kept, local_labels), g_lp, g_h, entropy, dtype)
+
+
+def _at_label(tile: torch.Tensor, local_labels: torch.Tensor) -> torch.Tensor:
+    """[C, V'] bool: each token's label column, where this tile's rows hold it."""
+    cols = torch.arange(tile.shape[1], device=tile.device)
+    return cols[None, :] == local_labels[:, None]
+
+
+def _grad_of_log_p(log_p, at_label, g_lp, g_h, entropy, dtype):
     factor = -g_h[:, None] * (log_p + entropy[:, None]) - g_lp[:, None]
-    return (torch.exp(log_p) * factor + at_label).to(dtype)
+    return (torch.exp(log_p) * factor + torch.where(at_label, g_lp[:, None], 0.0)).to(dtype)
 
 
 @functools.cache
@@ -52,6 +80,16 @@ def compiled_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     (compiling on CPU costs each process seconds that the eager form does not lose there),
     without Triton, or where a first compilation on small tensors fails (said once, in the
     log; the eager form then serves)."""
+    return _compiled(chunk_logits_grad, device_type)
+
+
+@functools.cache
+def compiled_kept_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
+    """`kept_probs_grad` compiled as `compiled_grad` is."""
+    return _compiled(kept_probs_grad, device_type)
+
+
+def _compiled(fn, device_type: str) -> Callable[..., torch.Tensor] | None:
     if device_type != "cuda":
         return None
     # why: torch's Triton probe imports its inductor utilities, which only CUDA needs
@@ -60,13 +98,15 @@ def compiled_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     if not has_triton():
         log.warning("chunked log-probs: no Triton, the backward's maths runs unfused")
         return None
-    fused = torch.compile(chunk_logits_grad, dynamic=True, fullgraph=True)
+    fused = torch.compile(fn, dynamic=True, fullgraph=True)
     try:
+        tile = torch.rand(4, 8, device=device_type) + 0.1
         vec = torch.ones(4, device=device_type)
         labels = torch.tensor([0, 3, 7, 9], device=device_type)
-        fused(
-            torch.randn(4, 8, device=device_type), vec, vec, vec, vec, labels, 1.0, torch.bfloat16
-        )
+        if fn is chunk_logits_grad:
+            fused(tile, vec, vec, vec, vec, labels, 1.0, torch.bfloat16)
+        else:
+            fused(tile.bfloat16(), -vec, vec, vec, vec, labels, torch.bfloat16)
     except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, said once
         log.warning("chunked log-probs: torch.compile failed (%s); the maths runs unfused", e)
         return None

@@ -93,6 +93,7 @@ def build_roles(config: TrainConfig, arch) -> Roles:
         optim=scheduled_optim(c, "actor"),
         temperature=c.rollout.temperature,
         router_replay=c.actor.router_replay,
+        logits_checkpointing=c.actor.logits_checkpointing,
     )
     reference = None
     if c.use_reference and c.actor.lora.enabled:  # the base, adapters off: no second copy

@@ -38,12 +38,14 @@ def token_logprobs_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     calculate_entropy: bool = True,
+    keep_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last stage's hidden states ([B, S, h], or [1, T, h] packed) and the vocab-sharded
     projection [V/tp, h] -> the log-probs [B, S] of each token of `mb` given its prefix and
     the entropy of the distribution it was drawn from (None without `calculate_entropy`),
     aligned to tokens, under softmax(logits / temperature); the logits are made a tile at a
-    time and never whole (`parallel.vocab.chunked_logprobs_entropy`)."""
+    time and never whole, their probabilities kept for backward with `keep_probs`
+    (`parallel.vocab.chunked_logprobs_entropy`)."""
     if mb.packing is not None:
         labels = mb.packing.next_tokens()
         to_tokens = mb.packing.to_tokens
@@ -54,7 +56,13 @@ def token_logprobs_entropy(
             return shift_to_tokens(x[:, :-1])
 
     logprobs, entropy = chunked_logprobs_entropy(
-        hidden, weight, labels, vocab_size, temperature, calculate_entropy=calculate_entropy
+        hidden,
+        weight,
+        labels,
+        vocab_size,
+        temperature,
+        calculate_entropy=calculate_entropy,
+        keep_probs=keep_probs,
     )
     return to_tokens(logprobs), None if entropy is None else to_tokens(entropy)
 
@@ -174,6 +182,7 @@ class Actor(_LogProbs, TrainableRole):
         optim: OptimConfig | None = None,
         temperature: float = 1.0,
         router_replay: RouterReplayConfig | None = None,
+        logits_checkpointing: bool = False,
     ):
         self.router_replay = router_replay or RouterReplayConfig()
         if self.router_replay.needs_routes:
@@ -192,12 +201,20 @@ class Actor(_LogProbs, TrainableRole):
         self.lora = model.lora if model.lora and model.lora.enabled else None
         """The adapters' settings (a checkpoint records them); None: every weight trains."""
         self.temperature = temperature
+        self.logits_checkpointing = logits_checkpointing
+        """The head recomputes its logits in backward (`actor.logits_checkpointing`); else
+        forward keeps their probabilities."""
 
     def loss(self, cfg: PolicyLossConfig, counts, mb: TrainingBatch, hidden):
         tokens, seqs, positive = counts
         mask = mb.response_mask
         logprobs, entropy = token_logprobs_entropy(
-            hidden, output_weight(self.chunks), mb, self.arch.vocab_size, self.temperature
+            hidden,
+            output_weight(self.chunks),
+            mb,
+            self.arch.vocab_size,
+            self.temperature,
+            keep_probs=not self.logits_checkpointing,
         )
         advantages = mb.advantages
         if mb.rollout_is_weights is not None:

@@ -3,7 +3,8 @@
 value and in the gradients of the hidden states and the projection, at TP2 and TP1 (DP2),
 with a padded vocabulary, a temperature, tiles of 1 or 7 tokens over all of a rank's rows,
 blocks of 50 rows (the last one shorter) or of one row, and one tile of everything, and with
-the entropy in the loss, out of it, or not calculated (`calculate_entropy=False`: None).
+the entropy in the loss, out of it, or not calculated (`calculate_entropy=False`: None);
+backward recomputing the logits, or from the probabilities forward kept (`keep_probs`).
 
 Each rank writes {layout}_{rank}.pt: {case: {"chunked": {...}, "full": {...}}} with
 logprobs, entropy, grad_hidden, grad_weight.
@@ -24,12 +25,14 @@ from megatron_rl.parallel.vocab import (
 from megatron_rl.procutil import exit_now
 
 VOCAB, PADDED, HIDDEN, TOKENS = 250, 256, 32, (3, 10)
-CASES = {  # name: ((tokens, vocabulary rows) of a tile, temperature, the entropy)
-    "one_token_tiles": ((1, PADDED), 1.0, "in_loss"),
-    "tiles_of_7_by_50_tempered": ((7, 50), 0.7, "in_loss"),
-    "one_row_blocks": ((30, 1), 1.0, "in_loss"),
-    "one_tile_no_entropy_grad": (None, 1.3, "not_in_loss"),
-    "log_probs_alone_tiles_of_7_by_50": ((7, 50), 0.7, "not_calculated"),
+CASES = {  # name: ((tokens, vocabulary rows) of a tile, temperature, the entropy, kept)
+    "one_token_tiles": ((1, PADDED), 1.0, "in_loss", False),
+    "tiles_of_7_by_50_tempered": ((7, 50), 0.7, "in_loss", False),
+    "one_row_blocks": ((30, 1), 1.0, "in_loss", False),
+    "one_tile_no_entropy_grad": (None, 1.3, "not_in_loss", False),
+    "log_probs_alone_tiles_of_7_by_50": ((7, 50), 0.7, "not_calculated", False),
+    "kept_tiles_of_7_by_50_tempered": ((7, 50), 0.7, "in_loss", True),
+    "kept_one_tile_no_entropy_grad": (None, 1.3, "not_in_loss", True),
 }
 LAYOUTS = {
     "tp2": distributed.ParallelLayout(tensor_model_parallel_size=2),
@@ -38,12 +41,12 @@ LAYOUTS = {
 
 
 def run(case, hidden, weight, labels, coef_lp, coef_h, chunked: bool):
-    tile, temperature, how = CASES[case]
+    tile, temperature, how, keep_probs = CASES[case]
     hidden = hidden.clone().requires_grad_(True)
     weight = weight.clone().requires_grad_(True)
     if chunked:
         logprobs, entropy = chunked_logprobs_entropy(
-            hidden, weight, labels, VOCAB, temperature, tile, how != "not_calculated"
+            hidden, weight, labels, VOCAB, temperature, tile, how != "not_calculated", keep_probs
         )
     else:
         logits = hidden @ weight.t()
