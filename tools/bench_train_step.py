@@ -28,6 +28,10 @@ ours is faster).
 `--compiled-head-forward` adds `ppo_update_compiled_head_forward`: the same update with the
 chunked head's tile sums compiled (`tools/bench_head.py`), and its
 `speed_compiled_head_forward_over_eager` (> 1: compiled is faster).
+`--logits-checkpointing` adds `ppo_update_logits_checkpointing`: the same update with the
+head recomputing its logits in backward (`actor.logits_checkpointing`) where `ppo_update`
+keeps their probabilities, and its `speed_kept_probs_over_logits_checkpointing` (> 1:
+keeping is faster); with --memory its peak beside the plan's for it.
 `--profile` adds one more step of each arm under torch.profiler: its costliest kernels
 printed, the kernels' summed time, their share of the step's wall time (how busy the GPU
 was) and the host's synchronisations.
@@ -141,6 +145,7 @@ ARMS = (
     "plain_megatron",
     "ppo_update",
     "ppo_update_compiled_head_forward",
+    "ppo_update_logits_checkpointing",
     "ppo_update_lora",
     "peer_hf",
 )
@@ -191,6 +196,12 @@ def main(argv=None) -> None:
         "dynamic shapes; `tools.bench head`'s form) instead of eager",
     )
     p.add_argument(
+        "--logits-checkpointing",
+        action="store_true",
+        help="add the update with the head recomputing its logits in backward "
+        "(actor.logits_checkpointing) instead of keeping their probabilities",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the timed steps, one more step of each arm under torch.profiler: its top "
@@ -217,6 +228,7 @@ def main(argv=None) -> None:
     skipped = {"peer_hf"} if a.peer == "none" else set()
     skipped |= set() if a.lora_rank else {"ppo_update_lora"}
     skipped |= set() if a.compiled_head_forward else {"ppo_update_compiled_head_forward"}
+    skipped |= set() if a.logits_checkpointing else {"ppo_update_logits_checkpointing"}
     names = [a.arm] if a.arm else [n for n in ARMS if n not in skipped]
     sequences = a.micro_batch_size * a.num_microbatches
     tokens = sequences * a.seq_length * ctx.dp_size  # tokens per optimizer step, all ranks
@@ -273,6 +285,10 @@ def main(argv=None) -> None:
                 arch, a, ctx, alone["ppo_update_lora"]["peak_bytes"], lora_rank=a.lora_rank
             )
             result.update({f"lora_{k}": v for k, v in lora.items()})
+        lean = alone.get("ppo_update_logits_checkpointing", {})
+        if torch.cuda.is_available() and "peak_bytes" in lean:
+            plan = memory_vs_plan(arch, a, ctx, lean["peak_bytes"], logits_checkpointing=True)
+            result.update({f"logits_checkpointing_{k}": v for k, v in plan.items()})
     if a.lora_rank:
         result["lora_rank"] = a.lora_rank
     if {"ppo_update", "ppo_update_lora"} <= set(median):
@@ -286,6 +302,10 @@ def main(argv=None) -> None:
     for part in a.without:
         result[f"speed_ppo_over_megatron_{part}"] = round(
             median[f"ppo_update_megatron_{part}"] / median["ppo_update"], 4
+        )
+    if {"ppo_update", "ppo_update_logits_checkpointing"} <= set(median):
+        result["speed_kept_probs_over_logits_checkpointing"] = round(
+            median["ppo_update_logits_checkpointing"] / median["ppo_update"], 4
         )
     if {"ppo_update", "ppo_update_compiled_head_forward"} <= set(median):
         result["speed_compiled_head_forward_over_eager"] = round(
@@ -314,7 +334,13 @@ def build_arms(names, arch, layout, a, batch) -> dict:
         params_dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, fp8=a.fp8
     )
     loss_cfg = PolicyLossConfig(nll_coef=0.1)
-    if {"plain_megatron", "ppo_update", "ppo_update_compiled_head_forward"} & set(names):
+    ours = {
+        "plain_megatron",
+        "ppo_update",
+        "ppo_update_compiled_head_forward",
+        "ppo_update_logits_checkpointing",
+    }
+    if ours & set(names):
         actor = Actor(RoleModel(arch, layout, precision=precision), optim=OptimConfig())
         if "plain_megatron" in names:
             arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)
@@ -327,6 +353,16 @@ def build_arms(names, arch, layout, a, batch) -> dict:
                     return actor.update(batch, loss_cfg, a.num_microbatches)
 
             arms["ppo_update_compiled_head_forward"] = compiled
+        if "ppo_update_logits_checkpointing" in names:
+
+            def logits_checkpointing():
+                actor.logits_checkpointing = True
+                try:
+                    return actor.update(batch, loss_cfg, a.num_microbatches)
+                finally:
+                    actor.logits_checkpointing = False
+
+            arms["ppo_update_logits_checkpointing"] = logits_checkpointing
     if "ppo_update_lora" in names:
         lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
         model = RoleModel(arch, layout, precision=precision, lora=lora)
@@ -490,7 +526,12 @@ def arms_alone(argv, names) -> dict[str, dict]:
 
 
 def memory_vs_plan(
-    arch: ModelArchitecture, a, ctx, measured_bytes: int, lora_rank: int = 0
+    arch: ModelArchitecture,
+    a,
+    ctx,
+    measured_bytes: int,
+    lora_rank: int = 0,
+    logits_checkpointing: bool = False,
 ) -> dict:
     """The measured peak of this rank next to `tools/plan_memory.py`'s estimate for it."""
     from megatron_rl.memory_plan import GiB, MemoryPlanConfig, plan_memory
@@ -512,6 +553,7 @@ def memory_vs_plan(
             profile="te" if transformer_engine_available() else "local",
             critic=False,
             lora_rank=lora_rank,
+            logits_checkpointing=logits_checkpointing,
         ),
     )
     measured = measured_bytes / GiB

@@ -22,11 +22,13 @@ re-run. Parts (`--list` prints them):
 - train_step_bf16:    `tools.bench train_step` on CUDA in bf16 (MFU, peak memory vs plan),
                       Qwen2.5-0.5B, 4 x 2,048 tokens, beside the plain-PyTorch peer
                       (transformers + SDPA + fused AdamW, mixed precision; each arm's
-                      peak memory alone: --memory)
+                      peak memory alone: --memory), and beside the update whose head
+                      recomputes its logits (`--logits-checkpointing`)
 - train_step_lora:    the same shape with the LoRA actor's update (rank 16, every linear)
                       beside the full one (`--lora-rank 16`)
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
-                      0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart)
+                      0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart); at
+                      32k the head recomputing its logits too
 - profile_2k, profile_16k: one more step of each arm under torch.profiler (`--profile`): the
                       costliest kernels, the device's busy share, the host's synchronisations;
                       at 16k also the update with the head's tile sums compiled
@@ -159,8 +161,8 @@ def parts(work: Path) -> list[Part]:
         # ours against ours with megatron-core's own linears, RoPE, activation or layer forward,
         # alternating
         Part("train_step_bf16",
-             (*train_step, "--memory", "--without", "linear", "rope", "swiglu", "layer",
-              *results),
+             (*train_step, "--memory", "--logits-checkpointing",
+              "--without", "linear", "rope", "swiglu", "layer", *results),
              needs=MEGATRON + PEER),
         # the LoRA actor's update (rank 16 on every linear) beside the full one, same shape
         Part("train_step_lora", (*train_step, "--lora-rank", "16", "--memory", *results),
@@ -177,7 +179,7 @@ def parts(work: Path) -> list[Part]:
                 f"train_step_{length // 1024}k",
                 (*train_step[:-1], str(length), "--micro-batch-size", "1",
                  "--num-microbatches", "1", "--steps", "3", "--warmup", "1", "--apart",
-                 *results),
+                 *(("--logits-checkpointing",) if length == 32768 else ()), *results),
                 needs=MEGATRON + PEER,
             )
             for length in (16384, 32768)
