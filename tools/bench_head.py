@@ -63,7 +63,7 @@ def softmax_sums(logits, local_labels, out=None, calculate_entropy: bool = True)
         out = logits.new_empty(4, c)
     m, s, d, picked = out.unbind(0)
     if rows == 0:  # a rank holding only vocabulary padding
-        return vocab._chunk_sums(logits, local_labels, out, calculate_entropy)
+        return EAGER_SUMS(logits, local_labels, out, calculate_entropy)
     here = (local_labels >= 0) & (local_labels < rows)
     label_logits = logits.gather(1, local_labels.clamp(0, rows - 1)[:, None]).squeeze(1)
     torch.mul(label_logits, here, out=picked)
@@ -78,16 +78,27 @@ def softmax_sums(logits, local_labels, out=None, calculate_entropy: bool = True)
     return m, s, d, picked
 
 
+EAGER_SUMS = vocab._chunk_sums
+
+
 @contextmanager
 def _head_tile_sums(sums):
     """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
-    `sums`, which has its signature; the eager sums are back afterwards."""
-    eager = vocab._chunk_sums
-    vocab._chunk_sums = sums
+    `sums`, which has its signature but `kept` and leaves the logits as they are; the
+    probabilities the head keeps for backward are exp(l - m) at the m those sums give (a
+    pass of their own). The eager sums are back afterwards."""
+
+    def with_kept(logits, local_labels, out=None, calculate_entropy=True, kept=None):
+        m, s, d, picked = sums(logits, local_labels, out, calculate_entropy)
+        if kept is not None:
+            kept.copy_(torch.exp(logits - m[:, None]))
+        return m, s, d, picked
+
+    vocab._chunk_sums = with_kept
     try:
         yield
     finally:
-        vocab._chunk_sums = eager
+        vocab._chunk_sums = EAGER_SUMS
 
 
 def softmax_head_forward():
@@ -116,11 +127,10 @@ def compiled_head_forward():
     would if it adopted them; `tools.bench train_step --compiled-head-forward` times the
     whole update so. The entropy's sum is taken whether asked for or not."""
     fused = _compiled_tile_sums()
-    eager = vocab._chunk_sums
 
     def sums(logits, local_labels, out=None, calculate_entropy=True):
         if logits.shape[1] == 0:  # a rank holding only vocabulary padding
-            return eager(logits, local_labels, out, calculate_entropy)
+            return EAGER_SUMS(logits, local_labels, out, calculate_entropy)
         got = fused(logits, local_labels, 1.0)  # the head's tiles come tempered
         if out is None:
             return got.unbind(0)

@@ -348,7 +348,7 @@ def _chunk_sums(logits, local_labels, out=None, calculate_entropy: bool = True, 
 def _kept_log_p(kept, shift):
     """fp32 log p [C, R] of one tile from its kept exp(l - m_block) [C, R] and
     shift = m_block - log-sum-exp [C]."""
-    log_p = torch.log(kept.float() if kept.dtype != torch.float32 else kept)
+    log_p = torch.log(kept) if kept.dtype == torch.float32 else kept.float().log_()
     return log_p.clamp_(min=vocab_fused.LOG_FLOOR).add_(shift[:, None])
 
 

@@ -1,5 +1,6 @@
 """The chunked head's backward maths written for the compiler: on CUDA, `torch.compile`
-turns it into one fused kernel that reads a chunk's [C, V'] fp32 logits once and writes the
+turns it into one fused kernel that reads a chunk's [C, V'] fp32 logits (or the
+probabilities forward kept in the weight's dtype: `kept_probs_grad`) once and writes the
 logits' gradient in the weight's dtype.
 
 `parallel.vocab._chunk_logits_grad`, the eager form, works in place to hold few chunk-sized
@@ -80,16 +81,26 @@ def compiled_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     (compiling on CPU costs each process seconds that the eager form does not lose there),
     without Triton, or where a first compilation on small tensors fails (said once, in the
     log; the eager form then serves)."""
-    return _compiled(chunk_logits_grad, device_type)
+    return _compiled(
+        chunk_logits_grad,
+        device_type,
+        lambda tile, vec, labels: (tile, vec, vec, vec, vec, labels, 1.0, torch.bfloat16),
+    )
 
 
 @functools.cache
 def compiled_kept_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     """`kept_probs_grad` compiled as `compiled_grad` is."""
-    return _compiled(kept_probs_grad, device_type)
+    return _compiled(
+        kept_probs_grad,
+        device_type,
+        lambda tile, vec, labels: (tile.bfloat16(), -vec, vec, vec, vec, labels, torch.bfloat16),
+    )
 
 
-def _compiled(fn, device_type: str) -> Callable[..., torch.Tensor] | None:
+def _compiled(fn, device_type: str, example) -> Callable[..., torch.Tensor] | None:
+    """`fn` compiled, tried once on small tensors: `example(tile [4, 8], vec [4], labels)`
+    gives its arguments."""
     if device_type != "cuda":
         return None
     # why: torch's Triton probe imports its inductor utilities, which only CUDA needs
@@ -103,10 +114,7 @@ def _compiled(fn, device_type: str) -> Callable[..., torch.Tensor] | None:
         tile = torch.rand(4, 8, device=device_type) + 0.1
         vec = torch.ones(4, device=device_type)
         labels = torch.tensor([0, 3, 7, 9], device=device_type)
-        if fn is chunk_logits_grad:
-            fused(tile, vec, vec, vec, vec, labels, 1.0, torch.bfloat16)
-        else:
-            fused(tile.bfloat16(), -vec, vec, vec, vec, labels, torch.bfloat16)
+        fused(*example(tile, vec, labels))
     except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, said once
         log.warning("chunked log-probs: torch.compile failed (%s); the maths runs unfused", e)
         return None

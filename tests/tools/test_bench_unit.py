@@ -200,17 +200,20 @@ def test_the_heads_other_tile_sums_give_the_eager_heads_log_probs_entropy_and_gr
     hidden, weight = torch.randn(30, 16, generator=g), torch.randn(128, 16, generator=g) * 0.5
     labels, coef = torch.randint(0, 100, (30,), generator=g), torch.randn(2, 30, generator=g)
 
-    def run():
+    def run(keep_probs):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        lp, ent = vocab.chunked_logprobs_entropy(h, w, labels, 100, 0.8, tile=(16, 40))
+        lp, ent = vocab.chunked_logprobs_entropy(
+            h, w, labels, 100, 0.8, tile=(16, 40), keep_probs=keep_probs
+        )
         ((coef[0] * lp).sum() + (coef[1] * ent).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
     eager_sums = vocab._chunk_sums
-    want = run()
-    with other[form]():
-        assert vocab._chunk_sums is not eager_sums
-        got = run()
-    assert vocab._chunk_sums is eager_sums
-    for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
-        assert_close(a, b, FP32_MODEL, name)
+    want = run(keep_probs=False)
+    for keep_probs in (False, True):  # backward from recomputed logits or kept probabilities
+        with other[form]():
+            assert vocab._chunk_sums is not eager_sums
+            got = run(keep_probs)
+        assert vocab._chunk_sums is eager_sums
+        for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
+            assert_close(a, b, FP32_MODEL, f"{name}, kept: {keep_probs}")
