@@ -219,25 +219,16 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     into = acc[: end - start] if summed else grad_hidden[start:end]
                 for i, row in enumerate(range(0, rows, block)):
-                    w = weight[row : row + block]
+                    w, labels_here = weight[row : row + block], local_labels - row
                     if kept is not None:  # log p from the kept exp(l - m_block), no GEMM
-                        args = (
-                            kept[start:end, row : row + block],
-                            block_max[i, start:end] - lse[start:end],
-                        )
+                        tile = kept[start:end, row : row + block]
+                        shift = block_max[i, start:end] - lse[start:end]
                         if fused is not None:
                             grad = fused(
-                                *args, g_lp, g_h, entropy_here, local_labels - row, weight.dtype
+                                tile, shift, g_lp, g_h, entropy_here, labels_here, weight.dtype
                             )
                         else:
-                            grad = _chunk_logits_grad(
-                                _kept_log_p(*args),
-                                g_lp,
-                                g_h,
-                                None if g_h is None else entropy[start:end],
-                                local_labels - row,
-                                weight.dtype,
-                            )
+                            log_p = _kept_log_p(tile, shift)
                     elif fused is not None:
                         grad = fused(
                             _chunk_logits(h, w, 1.0),
@@ -245,17 +236,19 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                             g_lp,
                             g_h,
                             entropy_here,
-                            local_labels - row,
+                            labels_here,
                             t,
                             weight.dtype,
                         )
                     else:
+                        log_p = _chunk_logits(h, w, t).sub_(lse[start:end, None])
+                    if fused is None:
                         grad = _chunk_logits_grad(
-                            _chunk_logits(h, w, t).sub_(lse[start:end, None]),  # log p
+                            log_p,
                             g_lp,
                             g_h,
                             None if g_h is None else entropy[start:end],
-                            local_labels - row,
+                            labels_here,
                             weight.dtype,
                         )
                     if into is not None:
