@@ -614,7 +614,17 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
                 f"{vllm_weights / GiB:.1f} GiB of weights plus 2 GiB working memory: raise "
                 "gpu_memory_utilization or vLLM's TP"
             )
-    return MemoryPlan(c, params, states, activations, vllm, kv_cache, kv_tokens, notes)
+    plan = MemoryPlan(c, params, states, activations, vllm, kv_cache, kv_tokens, notes)
+    if not plan.fits and not c.logits_checkpointing:
+        lean = plan_memory(arch, replace(c, logits_checkpointing=True))
+        if lean.fits:  # what the default costs, where it alone stops the plan fitting
+            notes.append(
+                "the actor's head keeps its probabilities for backward "
+                f"({(plan.train_bytes - lean.train_bytes) / GiB:.1f} GiB): with "
+                "actor.logits_checkpointing: true it recomputes its logits instead and the "
+                f"plan fits ({lean.peak_bytes / GiB:.1f} GiB)"
+            )
+    return plan
 
 
 def summary_row(plan: MemoryPlan) -> dict[str, object]:

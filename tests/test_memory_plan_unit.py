@@ -360,6 +360,16 @@ def test_the_30b_a3b_recipe_fits_16_h100_and_8_only_thinly():
     lean = dataclasses.replace(on8.config, logits_checkpointing=True)
     lean8 = plan_memory(arch, lean)
     assert round(lean8.train_bytes / 2**30, 1) == 73.0 and lean8.margin_bytes < 4 * 2**30
+    # the plan that does not fit says which setting makes it fit, and what it frees
+    assert on8.notes == [
+        "the actor's head keeps its probabilities for backward (3.2 GiB): with "
+        "actor.logits_checkpointing: true it recomputes its logits instead and the plan "
+        "fits (73.0 GiB)"
+    ]
+    assert not on16.notes and not lean8.notes
+    # where the lean head does not fit either, the note would mislead: none
+    smaller = plan_memory(arch, dataclasses.replace(on8.config, gpu_memory_gib=76.0))
+    assert not smaller.fits and not smaller.notes
 
 
 def test_no_term_grows_with_the_square_of_the_sequence_or_holds_whole_logits():
