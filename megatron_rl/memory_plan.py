@@ -553,6 +553,44 @@ def teacher_layout(c: MemoryPlanConfig) -> MemoryPlanConfig:
 
 
 def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
+    """The per-GPU plan of `c`; where it does not fit, a note names the least costly of
+    the activation settings the run could add (`LEANER`) with which it would."""
+    plan = _plan(arch, c)
+    if not plan.fits:
+        plan.notes.extend(_leaner_note(arch, c, plan))
+    return plan
+
+
+LEANER = ((None, True), ("selective", False), ("selective", True), ("full", False), ("full", True))
+"""(recompute_granularity, logits_checkpointing) pairs that trade compute for activation
+memory, least compute first: the head's logits recomputed (one GEMM of the head), the
+attention core recomputed, every layer."""
+
+
+def _leaner_note(arch: ModelArchitecture, c: MemoryPlanConfig, plan: MemoryPlan) -> list[str]:
+    """[the first of `LEANER` with which `c` fits, as the run's config keys], or []."""
+    for recompute, logits in LEANER:
+        leaner = replace(  # never less than the run already recomputes
+            c,
+            recompute_granularity=max(c.recompute_granularity, recompute, key=RECOMPUTE.index),
+            logits_checkpointing=c.logits_checkpointing or logits,
+        )
+        if leaner == c or not (lean := _plan(arch, leaner)).fits:
+            continue
+        settings = []
+        if leaner.recompute_granularity != c.recompute_granularity:
+            settings.append(f"model.recompute.granularity: {leaner.recompute_granularity}")
+        if leaner.logits_checkpointing != c.logits_checkpointing:
+            settings.append("actor.logits_checkpointing: true")
+        return [
+            f"with {' and '.join(settings)} the plan fits: training "
+            f"{lean.train_bytes / GiB:.1f} GiB "
+            f"({(plan.train_bytes - lean.train_bytes) / GiB:.1f} GiB less)"
+        ]
+    return []
+
+
+def _plan(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     ep, etp = c.expert_model_parallel_size, c.expert_tensor_size
     if not arch.is_moe and (ep > 1 or c.expert_tensor_parallel_size):
@@ -614,17 +652,7 @@ def plan_memory(arch: ModelArchitecture, c: MemoryPlanConfig) -> MemoryPlan:
                 f"{vllm_weights / GiB:.1f} GiB of weights plus 2 GiB working memory: raise "
                 "gpu_memory_utilization or vLLM's TP"
             )
-    plan = MemoryPlan(c, params, states, activations, vllm, kv_cache, kv_tokens, notes)
-    if not plan.fits and not c.logits_checkpointing:
-        lean = plan_memory(arch, replace(c, logits_checkpointing=True))
-        if lean.fits:  # what the default costs, where it alone stops the plan fitting
-            notes.append(
-                "the actor's head keeps its probabilities for backward "
-                f"({(plan.train_bytes - lean.train_bytes) / GiB:.1f} GiB): with "
-                "actor.logits_checkpointing: true it recomputes its logits instead and the "
-                f"plan fits ({lean.peak_bytes / GiB:.1f} GiB)"
-            )
-    return plan
+    return MemoryPlan(c, params, states, activations, vllm, kv_cache, kv_tokens, notes)
 
 
 def summary_row(plan: MemoryPlan) -> dict[str, object]:

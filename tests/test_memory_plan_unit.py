@@ -360,16 +360,40 @@ def test_the_30b_a3b_recipe_fits_16_h100_and_8_only_thinly():
     lean = dataclasses.replace(on8.config, logits_checkpointing=True)
     lean8 = plan_memory(arch, lean)
     assert round(lean8.train_bytes / 2**30, 1) == 73.0 and lean8.margin_bytes < 4 * 2**30
-    # the plan that does not fit says which setting makes it fit, and what it frees
+    # the plan that does not fit names the least costly setting that makes it fit
     assert on8.notes == [
-        "the actor's head keeps its probabilities for backward (3.2 GiB): with "
-        "actor.logits_checkpointing: true it recomputes its logits instead and the plan "
-        "fits (73.0 GiB)"
+        "with actor.logits_checkpointing: true the plan fits: training 73.0 GiB (3.2 GiB less)"
     ]
     assert not on16.notes and not lean8.notes
-    # where the lean head does not fit either, the note would mislead: none
-    smaller = plan_memory(arch, dataclasses.replace(on8.config, gpu_memory_gib=76.0))
-    assert not smaller.fits and not smaller.notes
+
+
+def test_a_plan_that_does_not_fit_names_the_least_costly_recompute_that_would():
+    settings = recipe_settings(str(RECIPE_32B))
+    arch = preset_arch("qwen2.5-32b")
+    c = MemoryPlanConfig(
+        **{**settings, "recompute_granularity": None},
+        data_parallel_size=4,
+        gpu_memory_gib=78.0,
+    )
+    plan = plan_memory(arch, c)
+    assert not plan.fits
+    # the critic's activations set the training peak: the head's logits alone cannot help
+    full = plan_memory(arch, dataclasses.replace(c, recompute_granularity="full"))
+    assert (
+        full.fits and not plan_memory(arch, dataclasses.replace(c, logits_checkpointing=True)).fits
+    )
+    assert plan.notes == [
+        f"with model.recompute.granularity: full the plan fits: training "
+        f"{full.train_bytes / 2**30:.1f} GiB ({(plan.train_bytes - full.train_bytes) / 2**30:.1f} "
+        "GiB less)"
+    ]
+    # nothing the run could add fits it (the rollout phase, or a GPU too small): no note
+    tiny_gpu = plan_memory(arch, dataclasses.replace(c, gpu_memory_gib=30.0))
+    assert not tiny_gpu.fits and not tiny_gpu.notes
+    # a run that already recomputes everything is offered nothing less
+    assert not plan_memory(
+        arch, dataclasses.replace(c, recompute_granularity="full", gpu_memory_gib=30.0)
+    ).notes
 
 
 def test_no_term_grows_with_the_square_of_the_sequence_or_holds_whole_logits():
