@@ -450,17 +450,19 @@ def test_packed_attention_in_one_flash_kernel_equals_one_call_a_segment(monkeypa
         assert_close(ours.float(), theirs.float(), BF16_MODEL, name)
 
 
+@pytest.mark.parametrize("sums", ["eager", "compiled"])
 @pytest.mark.parametrize("keep_probs", [False, True])
 @pytest.mark.parametrize("entropy", ["in_loss", "not_in_loss", "not_calculated"])
 def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
-    single_rank, entropy, keep_probs
+    single_rank, entropy, keep_probs, sums
 ):
     """The tiled head in bf16 on CUDA (its backward's maths compiled where Triton is, the
     GEMMs writing fp32; tiles of 64 tokens x 300 rows: four blocks of rows) against the full
     logits in fp32 of the same bf16 inputs, and at most twice as far from them as whole bf16
     logits, the unchunked head, are; the entropy in the loss, out of it, or not calculated
     (`calculate_entropy=False`: the compiled backward without one); backward from
-    recomputed logits or from the probabilities forward kept in bf16 (`keep_probs`)."""
+    recomputed logits or from the probabilities forward kept in bf16 (`keep_probs`); the
+    forward's tile sums eager or compiled (`model.use_fused_kernels`)."""
     from torch.utils._triton import has_triton
 
     from megatron_rl.parallel import vocab, vocab_fused
@@ -473,6 +475,7 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
     distributed.initialize(distributed.ParallelLayout())
     assert (vocab_fused.compiled_grad("cuda") is not None) == has_triton()
     assert (vocab_fused.compiled_kept_grad("cuda") is not None) == has_triton()
+    assert (vocab_fused.compiled_sums("cuda") is not None) == has_triton()
     # the gradients' GEMMs sum into fp32 accumulators in place (else: a bf16 product cast)
     assert vocab._fp32_gemm("cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -495,6 +498,7 @@ def test_bf16_chunked_logprobs_entropy_and_gradients_equal_the_fp32_full_logits(
                 tile=(64, 300),
                 calculate_entropy=calculate,
                 keep_probs=keep_probs,
+                compiled_sums=sums == "compiled",
             )
             assert (ent is None) != calculate
         else:

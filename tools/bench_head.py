@@ -1,15 +1,19 @@
 """Benchmark: one tile of the chunked log-prob head's forward (`parallel/vocab.py`), its GEMM
 then its per-token sums (the max, the sum of exponentials, the entropy's sum and the label's
-logit), eager as the head runs them against the same sums compiled (`torch.compile`; Triton
-on CUDA), with dynamic and with static shapes, alternating in this process.
+logit), eager as the head runs them against the same sums compiled
+(`parallel/vocab_fused.tile_sums`, what `model.use_fused_kernels` takes; Triton on CUDA),
+with dynamic and with static shapes, alternating in this process.
 
     python -m tools.bench head [--tokens 8192 --rows 8192 --hidden 896 --dtype bf16]
 
-The head leaves these sums eager because a compiled form was slower on an H200: 9.8 ms a
-chunk of 441 tokens x 152k rows (bench/gpu.md, 2026-11-28), where the eager passes took
-about 1 ms. Its tiles are now thousands of tokens by thousands of rows (`parallel/tiles.py`),
-a row reduction with work for every SM, and the eager form makes about ten passes over a
-tile where a fused one can make two: this measures whether compiling still loses. Each
+The head leaves these sums eager by default because a compiled form was slower on an H200:
+9.8 ms a chunk of 441 tokens x 152k rows (bench/gpu.md, 2026-11-28), where the eager passes
+took about 1 ms. Its tiles are now thousands of tokens by thousands of rows
+(`parallel/tiles.py`), a row reduction with work for every SM, and the eager form makes
+about ten passes over a tile where a fused one can make two: this measures whether
+compiling still loses. The arms `eager_kept` and `compiled_kept` also write the tile's
+probabilities in the tile's input dtype, as the update's head does by default (keeping
+them for backward): there the compiled kernel writes them as it sums. Each
 other arm's sums are checked equal to the eager ones first; an arm that fails to compile or
 gives other sums is left out, its error in the line (`<arm>_error`). The arm
 `eager_logprobs` takes the eager sums without the entropy's (`calculate_entropy=False`: what
@@ -26,26 +30,12 @@ four without the entropy where eager makes seven), timed against `eager` and
 from __future__ import annotations
 
 import argparse
-import functools
 from contextlib import contextmanager
 
 import torch
 
-from megatron_rl.parallel import vocab
+from megatron_rl.parallel import vocab, vocab_fused
 from tools.bench_common import alternate, record
-
-
-def tile_sums(raw: torch.Tensor, local_labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[4, C]: `vocab._chunk_sums` of the tempered tile raw / T [C, R] (m, s, d, the label's
-    logit or 0 where this tile's rows do not hold it), written for the compiler: compiled,
-    its reductions read the tile and write nothing of its size."""
-    logits = raw / temperature
-    m = logits.amax(dim=-1)
-    shifted = logits - m[:, None]
-    e = torch.exp(shifted)
-    cols = torch.arange(raw.shape[1], device=raw.device)
-    picked = torch.where(cols[None, :] == local_labels[:, None], logits, 0.0).sum(dim=-1)
-    return torch.stack([m, e.sum(dim=-1), (e * shifted).sum(dim=-1), picked])
 
 
 def softmax_sums(logits, local_labels, out=None, calculate_entropy: bool = True):
@@ -114,31 +104,6 @@ def lse_and_entropy(sums: torch.Tensor) -> torch.Tensor:
     return torch.stack([m + s.log(), s.log() - d / s, picked])
 
 
-@functools.cache
-def _compiled_tile_sums():
-    """`tile_sums` compiled once a process, with dynamic shapes (each update enters
-    `compiled_head_forward` anew)."""
-    return torch.compile(tile_sums, dynamic=True, fullgraph=True)
-
-
-def compiled_head_forward():
-    """Within: the chunked head's forward takes each tile's sums (`vocab._chunk_sums`) from
-    `tile_sums` compiled with dynamic shapes (micro-batches vary in length), as the head
-    would if it adopted them; `tools.bench train_step --compiled-head-forward` times the
-    whole update so. The entropy's sum is taken whether asked for or not."""
-    fused = _compiled_tile_sums()
-
-    def sums(logits, local_labels, out=None, calculate_entropy=True):
-        if logits.shape[1] == 0:  # a rank holding only vocabulary padding
-            return EAGER_SUMS(logits, local_labels, out, calculate_entropy)
-        got = fused(logits, local_labels, 1.0)  # the head's tiles come tempered
-        if out is None:
-            return got.unbind(0)
-        return out.copy_(got).unbind(0)
-
-    return _head_tile_sums(sums)
-
-
 COMPILED = ("dynamic", "static")
 SAME_SUMS = {"rtol": 1e-4, "atol": 1e-4}
 """fp32 sums of thousands of terms a row, taken in another order, their exponentials by another
@@ -185,6 +150,11 @@ def main(argv=None) -> None:
         logits = vocab._chunk_logits(h, w, t)
         return torch.stack(vocab._chunk_sums(logits, labels, calculate_entropy=False))
 
+    kept = torch.empty(a.tokens, a.rows, dtype=dtype, device=device)
+
+    def eager_kept():  # and the probabilities kept for backward, as the update's head
+        return torch.stack(vocab._chunk_sums(vocab._chunk_logits(h, w, t), labels, kept=kept))
+
     def softmax():
         return torch.stack(softmax_sums(vocab._chunk_logits(h, w, t), labels))
 
@@ -193,6 +163,7 @@ def main(argv=None) -> None:
         return torch.stack(softmax_sums(logits, labels, calculate_entropy=False))
 
     arms = {"gemm": gemm, "eager": eager, "eager_logprobs": eager_logprobs}
+    arms["eager_kept"] = eager_kept
     result = {"tokens": a.tokens, "rows": a.rows, "hidden": a.hidden, "dtype": a.dtype}
     want = eager()
     try:  # other sums are this arm's result, not the end of the others'
@@ -201,13 +172,19 @@ def main(argv=None) -> None:
     except AssertionError as e:
         result["softmax_error"] = f"AssertionError: {e}"[:500]
     for shapes in a.compiled:
-        fused = torch.compile(tile_sums, dynamic=shapes == "dynamic", fullgraph=True)
+        fused = torch.compile(vocab_fused.tile_sums, dynamic=shapes == "dynamic", fullgraph=True)
+
+        def compiled(fused=fused, kept=None):
+            return fused(vocab._chunk_logits(h, w, t), labels, kept, True)
+
         try:
-            torch.testing.assert_close(fused(gemm(), labels, t), want, **SAME_SUMS)
+            torch.testing.assert_close(compiled(), want, **SAME_SUMS)
         except Exception as e:  # noqa: BLE001 - a compiler failure or other sums: this arm's result
             result[f"compiled_{shapes}_error"] = f"{type(e).__name__}: {e}"[:500]
             continue
-        arms[f"compiled_{shapes}"] = lambda fused=fused: fused(gemm(), labels, t)
+        arms[f"compiled_{shapes}"] = compiled
+        if shapes == "dynamic":  # the head's form: micro-batches vary in length
+            arms["compiled_kept"] = lambda fused=fused: compiled(fused, kept)
 
     median = alternate(arms, a.steps, a.warmup)
     for name, seconds in median.items():
@@ -215,8 +192,9 @@ def main(argv=None) -> None:
     sums = {name: median[name] - median["gemm"] for name in arms if name != "gemm"}
     for name, seconds in sums.items():
         result[f"{name}_sums_ms"] = round(seconds * 1e3, 4)
+    bases = {"softmax_logprobs": "eager_logprobs", "compiled_kept": "eager_kept"}
     for name, seconds in sums.items():
-        base = "eager_logprobs" if name == "softmax_logprobs" else "eager"
+        base = bases.get(name, "eager")
         if name != base and seconds > 0:
             result[f"speed_{name}_over_{base}"] = round(sums[base] / seconds, 4)
     if sums["eager"] > 0:

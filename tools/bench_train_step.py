@@ -26,7 +26,8 @@ the same update with that part put back to megatron-core's own function while th
 `models/layer.py`'s decoder-layer forward), and its `speed_ppo_over_megatron_<name>` (> 1:
 ours is faster).
 `--compiled-head-forward` adds `ppo_update_compiled_head_forward`: the same update with the
-chunked head's tile sums compiled (`tools/bench_head.py`), and its
+chunked head's tile sums and kept probabilities compiled into one kernel a tile
+(`model.use_fused_kernels`: `parallel/vocab_fused.tile_sums`), and its
 `speed_compiled_head_forward_over_eager` (> 1: compiled is faster).
 `--logits-checkpointing` adds `ppo_update_logits_checkpointing`: the same update with the
 head recomputing its logits in backward (`actor.logits_checkpointing`) where `ppo_update`
@@ -69,7 +70,6 @@ from megatron_rl.workers.roles import set_training
 from megatron_rl.workers.schedule import run_schedule
 from megatron_rl.workers.spec import RoleModel
 from tools.bench_common import alternate, record, timed
-from tools.bench_head import compiled_head_forward
 from tools.bench_peer import PEER_PRECISIONS, peer_step
 
 DENSE_BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -192,8 +192,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--compiled-head-forward",
         action="store_true",
-        help="add the update with the chunked head's tile sums compiled (torch.compile, "
-        "dynamic shapes; `tools.bench head`'s form) instead of eager",
+        help="add the update with the chunked head's tile sums compiled into one kernel a "
+        "tile (model.use_fused_kernels) instead of eager",
     )
     p.add_argument(
         "--logits-checkpointing",
@@ -349,8 +349,11 @@ def build_arms(names, arch, layout, a, batch) -> dict:
         if "ppo_update_compiled_head_forward" in names:
 
             def compiled():
-                with compiled_head_forward():
+                actor.use_fused_kernels = True
+                try:
                     return actor.update(batch, loss_cfg, a.num_microbatches)
+                finally:
+                    actor.use_fused_kernels = False
 
             arms["ppo_update_compiled_head_forward"] = compiled
         if "ppo_update_logits_checkpointing" in names:

@@ -62,6 +62,13 @@ class ModelConfig:
     no padding, each attending only within itself (verl's name; `data/packing.py`). With
     use_dynamic_bsz the token budget then counts packed tokens. Same losses as unpadded;
     dense models only."""
+    use_fused_kernels: bool = False
+    """The policy's log-prob head (actor, reference, teacher) takes each tile's forward sums
+    (log-sum-exp, entropy, the label's logit, the kept probabilities) in one compiled kernel
+    (`torch.compile`: Triton on CUDA, the C++ compiler on the CPU; verl's name for its fused
+    log-prob and entropy head) instead of eager passes; the same results. The head's
+    backward is compiled on CUDA either way. Off by default until a GPU measures it faster
+    (`bench/gpu.md`); each process compiles it once, in seconds."""
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,16 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, vocab_size, temperature, tile, calculate_entropy, keep_probs
+        ctx,
+        hidden,
+        weight,
+        labels,
+        vocab_size,
+        temperature,
+        tile,
+        calculate_entropy,
+        keep_probs,
+        compiled_sums,
     ):
         rank, tp_size, group = _tp()
         ctx.full_rows = weight.shape[0]
@@ -157,6 +166,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
         if keep_probs and rows > 0:
             kept = torch.empty(n, rows, dtype=weight.dtype, device=hidden.device)
             block_max = lse.new_empty(-(-rows // block), n)
+        fused = vocab_fused.compiled_sums(hidden.device.type) if compiled_sums else None
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             h, local_labels = hidden[start:end], labels[start:end] - first
@@ -169,6 +179,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                 calculate_entropy,
                 kept=None if kept is None else kept[start:end],
                 block_max=None if kept is None else block_max[:, start:end],
+                fused=fused,
             )
             if tp_size > 1:  # every slice's sums, rescaled to the global max
                 top = m.clone()
@@ -259,7 +270,7 @@ class _ChunkedLogProbsEntropy(torch.autograd.Function):
                     grad_hidden[start:end] = into
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def _row_block_sums(
@@ -271,9 +282,11 @@ def _row_block_sums(
     calculate_entropy: bool = True,
     kept: torch.Tensor | None = None,
     block_max: torch.Tensor | None = None,
+    fused=None,
 ):
     """(m, s, d, picked), each [C], of the tokens `h` [C, h] over all of `weight`'s rows, a
-    block of `block` rows at a time (`_chunk_sums`; d = 0 without `calculate_entropy`). Each
+    block of `block` rows at a time (`_chunk_sums`, or `fused`: `vocab_fused.tile_sums`
+    compiled; d = 0 without `calculate_entropy`). Each
     block writes its four sums into one [4, blocks, C] buffer, rescaled to their common max
     once at the end: a handful of ops per block, launched from the host, where merging block
     by block took twice as many. With `kept` [C, rows] each block also writes its
@@ -284,13 +297,17 @@ def _row_block_sums(
     for i, row in enumerate(starts):
         logits = _chunk_logits(h, weight[row : row + block], temperature)
         labels_here = local_labels - row if row else local_labels
-        _chunk_sums(
-            logits,
-            labels_here,
-            out=sums[:, i],
-            calculate_entropy=calculate_entropy,
-            kept=None if kept is None else kept[:, row : row + block],
-        )
+        kept_here = None if kept is None else kept[:, row : row + block]
+        if fused is not None and logits.shape[1] > 0:
+            sums[:, i] = fused(logits, labels_here, kept_here, calculate_entropy)
+        else:
+            _chunk_sums(
+                logits,
+                labels_here,
+                out=sums[:, i],
+                calculate_entropy=calculate_entropy,
+                kept=kept_here,
+            )
     if block_max is not None:
         block_max.copy_(sums[0])
     if len(starts) == 1:
@@ -439,6 +456,7 @@ def chunked_logprobs_entropy(
     tile: tuple[int, int] | None = None,
     calculate_entropy: bool = True,
     keep_probs: bool = False,
+    compiled_sums: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(labels), entropy) under softmax(hidden @ weight^T / temperature), without ever
     materialising the [tokens, V/tp] logits: a tile of (tokens, vocabulary rows) at a time
@@ -452,7 +470,9 @@ def chunked_logprobs_entropy(
     (the log-probs of a rollout's old policy, reference or teacher need no entropy).
     `keep_probs` keeps each tile's probabilities, [tokens, V/tp] in the weight's dtype, from
     forward to backward instead of recomputing the logits (`_ChunkedLogProbsEntropy`); only
-    where a gradient can flow (never under `torch.no_grad()`).
+    where a gradient can flow (never under `torch.no_grad()`). `compiled_sums` takes each
+    tile's forward sums (and kept probabilities) in one compiled kernel
+    (`vocab_fused.tile_sums`; the eager passes where it does not compile).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -468,5 +488,6 @@ def chunked_logprobs_entropy(
         tile or tile_shape(labels.numel(), weight.shape[0]),
         calculate_entropy,
         keep_probs and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+        compiled_sums,
     )
     return logprobs.view(shape), None if entropy is None else entropy.view(shape)

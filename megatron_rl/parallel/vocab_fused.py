@@ -1,17 +1,21 @@
-"""The chunked head's backward maths written for the compiler: on CUDA, `torch.compile`
-turns it into one fused kernel that reads a chunk's [C, V'] fp32 logits (or the
-probabilities forward kept in the weight's dtype: `kept_probs_grad`) once and writes the
-logits' gradient in the weight's dtype.
+"""The chunked head's per-tile maths written for the compiler. Backward: on CUDA,
+`torch.compile` turns it into one fused kernel that reads a chunk's [C, V'] fp32 logits (or
+the probabilities forward kept in the weight's dtype: `kept_probs_grad`) once and writes the
+logits' gradient in the weight's dtype. Forward, where a run asks for it
+(`model.use_fused_kernels`): `tile_sums`, a tile's max, sums and label logit, and the kept
+probabilities, in one kernel where the eager sums make ten passes over the tile (twelve
+keeping its probabilities).
 
 `parallel.vocab._chunk_logits_grad`, the eager form, works in place to hold few chunk-sized
 tensors, but each of its steps (shift, multiply-add, exp, multiply, the labels' fix-up) is
 a kernel of its own. Measured on an H200 (bench/gpu.md, 2026-11-28): compiled, a 441-token
-chunk of Qwen2.5's 152k vocabulary takes 0.24 ms. The forward's reductions are left eager:
-compiled they became one reduction kernel per chunk at 9.8 ms (441 rows of 152k columns:
-too few rows to fill the GPU), slower than the eager passes.
+chunk of Qwen2.5's 152k vocabulary takes 0.24 ms. The forward's sums are left eager unless
+a run asks: compiled they became one reduction kernel per chunk at 9.8 ms (441 rows of 152k
+columns, before the head took tiles of thousands of rows each way), slower than the eager
+passes; the next GPU window measures the tiles' (`bench/gpu.md`).
 
-The maths is `vocab._ChunkedLogProbsEntropy`'s; a CPU test holds the two forms equal, the GPU
-test the compiled one to fp32 logits.
+The maths is `vocab._ChunkedLogProbsEntropy`'s; CPU tests hold the forms equal (the forward's
+compiled too, by the CPU's compiler), the GPU test the compiled ones to fp32 logits.
 """
 
 from __future__ import annotations
@@ -27,6 +31,30 @@ log = logging.getLogger(__name__)
 LOG_FLOOR = -1.0e4
 """log of a kept exp(l - m) that underflowed to 0 is -inf; floored here, its probability
 is still 0 while -g_h (log p + H) stays finite (0 * inf would be NaN)."""
+
+
+def tile_sums(
+    logits: torch.Tensor,
+    local_labels: torch.Tensor,
+    kept: torch.Tensor | None,
+    calculate_entropy: bool,
+) -> torch.Tensor:
+    """[4, C]: `vocab._chunk_sums` of one tile of tempered fp32 logits [C, R] (not consumed):
+    the max m, s = sum exp(l - m), d = sum exp(l - m) (l - m) (0 without
+    `calculate_entropy`) and each label's logit where the tile's rows hold it (else 0);
+    exp(l - m) written into `kept` [C, R] where given, in its dtype. Compiled, the max is one
+    loop over each row and the rest a second, which writes nothing of the tile's size but
+    `kept` (on a GPU a row of 8,192 fp32 is read back from L2)."""
+    m = logits.amax(dim=-1)
+    shifted = logits - m[:, None]
+    e = torch.exp(shifted)
+    if kept is not None:
+        kept.copy_(e)
+    s = e.sum(dim=-1)
+    d = (e * shifted).sum(dim=-1) if calculate_entropy else torch.zeros_like(s)
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    picked = torch.where(cols[None, :] == local_labels[:, None], logits, 0.0).sum(dim=-1)
+    return torch.stack([m, s, d, picked])
 
 
 def chunk_logits_grad(
@@ -98,17 +126,34 @@ def compiled_kept_grad(device_type: str) -> Callable[..., torch.Tensor] | None:
     )
 
 
-def _compiled(fn, device_type: str, example) -> Callable[..., torch.Tensor] | None:
-    """`fn` compiled, tried once on small tensors: `example(tile [4, 8], vec [4], labels)`
-    gives its arguments."""
-    if device_type != "cuda":
-        return None
-    # why: torch's Triton probe imports its inductor utilities, which only CUDA needs
-    from torch.utils._triton import has_triton
+@functools.cache
+def compiled_sums(device_type: str) -> Callable[..., torch.Tensor] | None:
+    """`tile_sums` compiled for `device_type`: on CUDA by Triton, on the CPU by its C++
+    compiler (a run asks for it: `model.use_fused_kernels`), or None where that fails (said
+    once, in the log; the eager sums then serve)."""
+    return _compiled(
+        tile_sums,
+        device_type,
+        lambda tile, vec, labels: (tile, labels, tile.bfloat16(), True),
+        cpu=True,
+    )
 
-    if not has_triton():
-        log.warning("chunked log-probs: no Triton, the backward's maths runs unfused")
+
+def _compiled(
+    fn, device_type: str, example, cpu: bool = False
+) -> Callable[..., torch.Tensor] | None:
+    """`fn` compiled, tried once on small tensors: `example(tile [4, 8], vec [4], labels)`
+    gives its arguments. Off CUDA only with `cpu` (compiling there costs each process
+    seconds, which the backward's eager form does not lose)."""
+    if device_type not in (("cuda", "cpu") if cpu else ("cuda",)):
         return None
+    if device_type == "cuda":
+        # why: torch's Triton probe imports its inductor utilities, which only CUDA needs
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            log.warning("chunked log-probs: no Triton, the head's maths runs unfused")
+            return None
     fused = torch.compile(fn, dynamic=True, fullgraph=True)
     try:
         tile = torch.rand(4, 8, device=device_type) + 0.1

@@ -87,6 +87,7 @@ def build_roles(config: TrainConfig, arch) -> Roles:
         recompute=c.model.recompute,
         moe=c.model.moe,
         use_remove_padding=c.model.use_remove_padding,
+        use_fused_kernels=c.model.use_fused_kernels,
     )
     actor = Actor(
         replace(model, lora=c.actor.lora),

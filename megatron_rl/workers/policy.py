@@ -39,13 +39,14 @@ def token_logprobs_entropy(
     temperature: float = 1.0,
     calculate_entropy: bool = True,
     keep_probs: bool = False,
+    use_fused_kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The last stage's hidden states ([B, S, h], or [1, T, h] packed) and the vocab-sharded
     projection [V/tp, h] -> the log-probs [B, S] of each token of `mb` given its prefix and
     the entropy of the distribution it was drawn from (None without `calculate_entropy`),
     aligned to tokens, under softmax(logits / temperature); the logits are made a tile at a
-    time and never whole, their probabilities kept for backward with `keep_probs`
-    (`parallel.vocab.chunked_logprobs_entropy`)."""
+    time and never whole, their probabilities kept for backward with `keep_probs`, each
+    tile's sums compiled with `use_fused_kernels` (`parallel.vocab.chunked_logprobs_entropy`)."""
     if mb.packing is not None:
         labels = mb.packing.next_tokens()
         to_tokens = mb.packing.to_tokens
@@ -63,6 +64,7 @@ def token_logprobs_entropy(
         temperature,
         calculate_entropy=calculate_entropy,
         keep_probs=keep_probs,
+        compiled_sums=use_fused_kernels,
     )
     return to_tokens(logprobs), None if entropy is None else to_tokens(entropy)
 
@@ -87,6 +89,9 @@ class _LogProbs:
     trainer's policy is the full tempered distribution, as in the anchors; the gap to what
     the engine sampled from is what `algorithm.rollout_correction` corrects."""
 
+    use_fused_kernels: bool = False
+    """The head's forward sums in one compiled kernel a tile (`RoleModel.use_fused_kernels`)."""
+
     router_replay: RouterReplayConfig = RouterReplayConfig()
     routing_metrics: dict[str, float] = {}
     """`routing/mismatch/*` of the last `compute_logprobs` that recorded routes (`router_replay.
@@ -98,13 +103,15 @@ class _LogProbs:
         """Log-probs [B, S] of `batch.input_ids`, aligned to tokens, on every PP rank. Under
         routing replay (R3) the routers take the batch's routes; with `log_mismatch` they
         record their own, compared with the batch's (`routing_metrics`)."""
-        vocab, t = self.arch.vocab_size, self.temperature
+        vocab, t, fused = self.arch.vocab_size, self.temperature, self.use_fused_kernels
         record = self.router_replay.log_mismatch and batch.routed_experts is not None
         hooks = RouteReplay(self.chunks, record=True) if record else self.schedule_hooks(batch)
 
         def collect(mb, hidden):  # the last pipeline stage's
             weight = output_weight(self.chunks)
-            return token_logprobs_entropy(hidden, weight, mb, vocab, t, calculate_entropy=False)[0]
+            return token_logprobs_entropy(
+                hidden, weight, mb, vocab, t, calculate_entropy=False, use_fused_kernels=fused
+            )[0]
 
         out = self.forward_collect(batch, num_microbatches, collect, max_tokens, hooks)
         self.routing_metrics = hooks.mismatch_metrics(self.arch.num_layers) if record else {}
@@ -146,6 +153,7 @@ class ReferencePolicy(_LogProbs, MegatronRole):
             use_remove_padding=model.use_remove_padding,
         )
         self.temperature = temperature
+        self.use_fused_kernels = model.use_fused_kernels
 
 
 class AdapterOffReference:
@@ -201,6 +209,7 @@ class Actor(_LogProbs, TrainableRole):
         self.lora = model.lora if model.lora and model.lora.enabled else None
         """The adapters' settings (a checkpoint records them); None: every weight trains."""
         self.temperature = temperature
+        self.use_fused_kernels = model.use_fused_kernels
         self.logits_checkpointing = logits_checkpointing
         """The head recomputes its logits in backward (`actor.logits_checkpointing`); else
         forward keeps their probabilities."""
@@ -215,6 +224,7 @@ class Actor(_LogProbs, TrainableRole):
             self.arch.vocab_size,
             self.temperature,
             keep_probs=not self.logits_checkpointing,
+            use_fused_kernels=self.use_fused_kernels,
         )
         advantages = mb.advantages
         if mb.rollout_is_weights is not None:

@@ -38,6 +38,10 @@ class RoleModel:
     use_remove_padding: bool = False
     """Micro-batches run packed, their rows back to back with no padding (`data/packing.py`;
     verl's name); dense models only."""
+    use_fused_kernels: bool = False
+    """The log-prob head's forward sums compiled into one kernel a tile
+    (`parallel/vocab_fused.tile_sums`; verl's name); a policy's only: a critic has no such
+    head."""
     lora: LoRAConfig | None = None
     """LoRA adapters on the model's linears, every other weight frozen (`models/lora.py`);
     None (or rank 0) trains every weight."""

@@ -50,3 +50,34 @@ def test_the_fused_gradient_is_the_eager_one(terms, dtype):
 
 def test_off_cuda_the_eager_forms_serve():
     assert vocab_fused.compiled_grad("cpu") is None
+
+
+@pytest.mark.parametrize("kept_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("calculate_entropy", [True, False])
+def test_the_fused_tile_sums_are_the_eager_ones(calculate_entropy, kept_dtype):
+    """`tile_sums` (uncompiled) against `vocab._chunk_sums`: the max, both sums, the label's
+    logit only where this tile's rows hold it (labels below, inside and above them), and the
+    probabilities written into a strided slice of a wider buffer, as the head keeps them."""
+    raw, labels, _ = _chunk()
+    logits = raw / 0.7
+    want_kept = got_kept = None
+    if kept_dtype is not None:
+        want_kept = torch.zeros(raw.shape[0], 50, dtype=kept_dtype)
+        got_kept = torch.zeros_like(want_kept)
+    want = torch.stack(
+        vocab._chunk_sums(
+            logits.clone(),
+            labels,
+            calculate_entropy=calculate_entropy,
+            kept=None if want_kept is None else want_kept[:, 5:42],
+        )
+    )
+    got = vocab_fused.tile_sums(
+        logits, labels, None if got_kept is None else got_kept[:, 5:42], calculate_entropy
+    )
+    assert_close(got, want, FP32_EXACT_ORDER)
+    assert (got[3] != 0).tolist() == ((labels >= 0) & (labels < 37)).tolist()
+    assert got[2].any() == calculate_entropy
+    if kept_dtype is not None:
+        assert_close(got_kept.float(), want_kept.float(), BF16_ONE_ROUNDING)
+        assert not got_kept[:, :5].any() and not got_kept[:, 42:].any()  # the slice alone

@@ -138,7 +138,7 @@ def test_probabilities_are_kept_only_where_a_gradient_can_flow(monkeypatch):
     asked = []
     apply = vocab._ChunkedLogProbsEntropy.apply
     monkeypatch.setattr(
-        vocab._ChunkedLogProbsEntropy, "apply", lambda *a: asked.append(a[-1]) or apply(*a)
+        vocab._ChunkedLogProbsEntropy, "apply", lambda *a: asked.append(a[-2]) or apply(*a)
     )
     hidden, weight, labels, _ = _inputs(torch.float32)
     vocab.chunked_logprobs_entropy(hidden, weight, labels, VOCAB, keep_probs=True)
@@ -148,6 +148,41 @@ def test_probabilities_are_kept_only_where_a_gradient_can_flow(monkeypatch):
         )
     vocab.chunked_logprobs_entropy(hidden, weight, labels, VOCAB, keep_probs=True)
     assert asked == [False, False, True]
+
+
+@pytest.mark.parametrize("keep_probs", [False, True])
+@pytest.mark.parametrize("calculate_entropy", [True, False])
+def test_compiled_tile_sums_give_the_eager_heads_results(calculate_entropy, keep_probs):
+    """`compiled_sums` (`model.use_fused_kernels`), compiled by this CPU's compiler: over
+    blocks of rows and tokens, with the probabilities kept or not, the log-probs, entropy and
+    both gradients of the eager head."""
+    from megatron_rl.parallel import vocab_fused
+
+    assert vocab_fused.compiled_sums("cpu") is not None  # it compiles here: a real comparison
+    hidden, weight, labels, coef = _inputs(torch.float32)
+
+    def run(compiled):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = vocab.chunked_logprobs_entropy(
+            h,
+            w,
+            labels,
+            VOCAB,
+            0.8,
+            tile=(32, 300),
+            calculate_entropy=calculate_entropy,
+            keep_probs=keep_probs,
+            compiled_sums=compiled,
+        )
+        loss = (coef[0] * lp).sum() + ((coef[1] * ent).sum() if calculate_entropy else 0.0)
+        loss.backward()
+        return lp.detach(), ent, h.grad, w.grad
+
+    want, got = run(compiled=False), run(compiled=True)
+    assert (got[1] is None) == (not calculate_entropy)
+    for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
+        if b is not None:
+            assert_close(a, b, FP32_MODEL, name)
 
 
 def test_a_tile_of_no_tokens_or_rows_is_refused():

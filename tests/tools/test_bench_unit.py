@@ -109,25 +109,6 @@ def test_megatron_own_puts_megatron_functions_back_within_and_ours_after():
         layers.linear_with_frozen_weight = ours[0]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_head_benchmarks_compiler_form_gives_the_heads_eager_sums(temperature):
-    """`tools.bench head`'s fused form of a tile's sums, uncompiled, against the head's own
-    (`vocab._chunk_sums`): labels inside the tile's rows and in other tiles' (below, above)."""
-    import torch
-
-    from megatron_rl.parallel import vocab
-    from tools.bench_head import tile_sums
-
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randn(13, 40, generator=g) * 4
-    labels = torch.tensor([-40, -1, 0, 5, 39, 40, 79, 3, 3, 17, -7, 50, 1])
-    want = torch.stack(vocab._chunk_sums(raw.clone() / temperature, labels))
-    got = tile_sums(raw, labels, temperature)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    here = (labels >= 0) & (labels < 40)
-    assert (got[3] != 0).tolist() == here.tolist()  # the label's logit only where it lies
-
-
 @pytest.mark.parametrize("calculate_entropy", [True, False])
 def test_the_softmax_form_of_a_tiles_sums_gives_the_same_log_sum_exp_and_entropy(
     calculate_entropy,
@@ -168,32 +149,26 @@ def test_the_head_benchmark_times_every_arm_and_checks_the_compiled_sums(tmp_pat
     main([*args, "--compiled", "dynamic", "--steps", "2", "--warmup", "1", "--out", str(out)])
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["bench"] == "head" and (row["tokens"], row["rows"]) == (24, 96)
-    for arm in ("gemm", "eager", "eager_logprobs", "softmax", "softmax_logprobs"):
+    for arm in ("gemm", "eager", "eager_logprobs", "eager_kept", "softmax", "softmax_logprobs"):
         assert row[f"{arm}_ms"] > 0
-    assert row["compiled_dynamic_ms"] > 0
+    assert row["compiled_dynamic_ms"] > 0 and row["compiled_kept_ms"] > 0
     assert row["speed_softmax_logprobs_over_eager_logprobs"] > 0
+    assert row["speed_compiled_kept_over_eager_kept"] > 0
     assert "compiled_static_ms" not in row and "compiled_dynamic_error" not in row
     assert row["eager_sums_ms"] == pytest.approx(row["eager_ms"] - row["gemm_ms"], abs=1e-3)
 
 
-@pytest.mark.parametrize("form", ["compiled", "softmax"])
-def test_the_heads_other_tile_sums_give_the_eager_heads_log_probs_entropy_and_gradients(
-    monkeypatch, form
+def test_the_softmax_tile_sums_give_the_eager_heads_log_probs_entropy_and_gradients(
+    monkeypatch,
 ):
-    """`tools.bench train_step --compiled-head-forward`'s arm (the tiles' sums compiled, on
-    this CPU) and the sums of `softmax_sums`: the head gives what the eager head gives, over
-    blocks of rows and tokens (the blocks' sums merged in either form); the eager sums are
-    back afterwards."""
+    """The head with the sums of `softmax_sums` gives what the eager head gives, over blocks
+    of rows and tokens (the blocks' sums merged in either form); the eager sums are back
+    afterwards."""
     import torch
 
     from megatron_rl.parallel import vocab
     from tests.tolerances import FP32_MODEL, assert_close
     from tools import bench_head
-
-    other = {
-        "compiled": bench_head.compiled_head_forward,
-        "softmax": bench_head.softmax_head_forward,
-    }
 
     monkeypatch.setattr(vocab, "_tp", lambda: (0, 1, None))  # TP1 without a process group
     g = torch.Generator().manual_seed(1)
@@ -211,7 +186,7 @@ def test_the_heads_other_tile_sums_give_the_eager_heads_log_probs_entropy_and_gr
     eager_sums = vocab._chunk_sums
     want = run(keep_probs=False)
     for keep_probs in (False, True):  # backward from recomputed logits or kept probabilities
-        with other[form]():
+        with bench_head.softmax_head_forward():
             assert vocab._chunk_sums is not eager_sums
             got = run(keep_probs)
         assert vocab._chunk_sums is eager_sums

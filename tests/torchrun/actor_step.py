@@ -3,6 +3,7 @@ same weights as megatron-core's own `optimizer.step()`, and the reference policy
 (forward-only) never changes. Writes a summary to --out (rank 0)."""
 
 import argparse
+import dataclasses
 
 import torch
 from megatron.core.optimizer import clip_grads
@@ -10,14 +11,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.hf_mapping import export_hf_tensors
-from megatron_rl.parallel import distributed
+from megatron_rl.parallel import distributed, vocab_fused
 from megatron_rl.procutil import exit_now
 from megatron_rl.workers.critic import Critic
 from megatron_rl.workers.losses_config import PolicyLossConfig, ValueLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
 from megatron_rl.workers.policy import Actor, ReferencePolicy
 from megatron_rl.workers.spec import RoleModel
-from tests.tolerances import FP32_EXACT_ORDER
+from tests.tolerances import FP32_EXACT_ORDER, FP32_MODEL
 from tests.torchrun.actor_critic import global_batch
 
 
@@ -54,6 +55,19 @@ def main():
     critic_before = snapshot(critic.chunks, arch)
     ref_logprobs = reference.compute_logprobs(batch)
     actor_logprobs = actor.compute_logprobs(batch)
+    # the head's tile sums compiled (`model.use_fused_kernels`), merged over the TP ranks
+    fused_reference = ReferencePolicy(dataclasses.replace(model, use_fused_kernels=True))
+    compiled_sums, asked = vocab_fused.compiled_sums, []
+    vocab_fused.compiled_sums = lambda device_type: (
+        asked.append(device_type) or compiled_sums(device_type)
+    )
+    fused_logprobs = fused_reference.compute_logprobs(batch)
+    vocab_fused.compiled_sums, fused_reference = compiled_sums, None
+    fused = {
+        "asked_on_its_device": sorted(set(asked)) == [ctx.device.type],
+        "compiled": compiled_sums(ctx.device.type) is not None,
+        "close": torch.allclose(fused_logprobs, ref_logprobs, **FP32_MODEL),
+    }
     mode_sequence = [modes(actor)]
 
     def pg_loss_and_grad_norm(b):
@@ -156,6 +170,7 @@ def main():
         "nan_metrics": nan_metrics,
         "nan_unchanged": nan_unchanged,
         "initial_logprob_gap": (ref_logprobs - actor_logprobs).abs().max().item(),
+        "fused_reference": fused,
         "actor_unchanged": unchanged(actor_before, snapshot(actor.chunks, arch)),
         "actor_params": len(actor_before),
         "critic_unchanged": unchanged(critic_before, snapshot(critic.chunks, arch)),

@@ -193,6 +193,8 @@ def test_one_step_moves_every_trained_parameter_and_never_the_reference(tiny_mod
     run_torchrun("tests.torchrun.actor_step", ["--hf-dir", str(tiny_model_dir), "--out", str(out)])
     s = torch.load(out, map_location="cpu")
     assert s["initial_logprob_gap"] == 0.0  # actor and reference start from the same weights
+    # a reference whose head compiles its tile sums (model.use_fused_kernels) at TP=2
+    assert s["fused_reference"] == {"asked_on_its_device": True, "compiled": True, "close": True}
     assert s["actor_params"] == s["critic_params"] == 51
     assert s["actor_unchanged"] == [] and s["critic_unchanged"] == []
     assert s["reference_changed"] == [] and not s["reference_has_grads"]
