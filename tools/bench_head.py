@@ -162,8 +162,12 @@ def main(argv=None) -> None:
         logits = vocab._chunk_logits(h, w, t)
         return torch.stack(softmax_sums(logits, labels, calculate_entropy=False))
 
-    arms = {"gemm": gemm, "eager": eager, "eager_logprobs": eager_logprobs}
-    arms["eager_kept"] = eager_kept
+    arms = {
+        "gemm": gemm,
+        "eager": eager,
+        "eager_logprobs": eager_logprobs,
+        "eager_kept": eager_kept,
+    }
     result = {"tokens": a.tokens, "rows": a.rows, "hidden": a.hidden, "dtype": a.dtype}
     want = eager()
     try:  # other sums are this arm's result, not the end of the others'
@@ -179,11 +183,13 @@ def main(argv=None) -> None:
 
         try:
             torch.testing.assert_close(compiled(), want, **SAME_SUMS)
+            if shapes == "dynamic":  # the head's form, also writing what it keeps
+                torch.testing.assert_close(compiled(fused, kept), want, **SAME_SUMS)
         except Exception as e:  # noqa: BLE001 - a compiler failure or other sums: this arm's result
             result[f"compiled_{shapes}_error"] = f"{type(e).__name__}: {e}"[:500]
             continue
         arms[f"compiled_{shapes}"] = compiled
-        if shapes == "dynamic":  # the head's form: micro-batches vary in length
+        if shapes == "dynamic":  # micro-batches vary in length
             arms["compiled_kept"] = lambda fused=fused: compiled(fused, kept)
 
     median = alternate(arms, a.steps, a.warmup)
