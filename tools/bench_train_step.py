@@ -44,6 +44,7 @@ utilisation (MFU) against the device's dense bf16 peak, and the ppo_update peak 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -346,26 +347,13 @@ def build_arms(names, arch, layout, a, batch) -> dict:
             arms["plain_megatron"] = lambda: plain_step(actor, batch, a.num_microbatches)
         if "ppo_update" in names:
             arms["ppo_update"] = lambda: actor.update(batch, loss_cfg, a.num_microbatches)
-        if "ppo_update_compiled_head_forward" in names:
-
-            def compiled():
-                actor.use_fused_kernels = True
-                try:
-                    return actor.update(batch, loss_cfg, a.num_microbatches)
-                finally:
-                    actor.use_fused_kernels = False
-
-            arms["ppo_update_compiled_head_forward"] = compiled
-        if "ppo_update_logits_checkpointing" in names:
-
-            def logits_checkpointing():
-                actor.logits_checkpointing = True
-                try:
-                    return actor.update(batch, loss_cfg, a.num_microbatches)
-                finally:
-                    actor.logits_checkpointing = False
-
-            arms["ppo_update_logits_checkpointing"] = logits_checkpointing
+        # the same update with one of the actor's switches on while the arm runs
+        for name, switch in (
+            ("ppo_update_compiled_head_forward", "use_fused_kernels"),
+            ("ppo_update_logits_checkpointing", "logits_checkpointing"),
+        ):
+            if name in names:
+                arms[name] = functools.partial(switched_update, actor, switch, batch, loss_cfg, a)
     if "ppo_update_lora" in names:
         lora = LoRAConfig(rank=a.lora_rank, alpha=2.0 * a.lora_rank)
         model = RoleModel(arch, layout, precision=precision, lora=lora)
@@ -374,6 +362,15 @@ def build_arms(names, arch, layout, a, batch) -> dict:
     if "peer_hf" in names:
         arms["peer_hf"] = peer_step(a.preset, a.peer, batch, a.num_microbatches)
     return arms
+
+
+def switched_update(actor: Actor, switch: str, batch, loss_cfg, a) -> None:
+    """`Actor.update` with the actor's boolean attribute `switch` on, off again after."""
+    setattr(actor, switch, True)
+    try:
+        actor.update(batch, loss_cfg, a.num_microbatches)
+    finally:
+        setattr(actor, switch, False)
 
 
 MEGATRON_OWN = {

@@ -58,20 +58,24 @@ def test_bench_train_step_writes_one_result_line(tmp_path):
 def test_bench_train_step_runs_the_plain_pytorch_peer_and_each_arms_memory(tmp_path, mode):
     """One process: the transformers + SDPA + fused AdamW arm beside ours, and each arm's
     peak memory measured alone in a child process (`--apart`: its speed too); the update
-    with the head's tile sums compiled among them."""
+    with the head's tile sums compiled, and with its logits recomputed, among them."""
     out = tmp_path / "results.jsonl"
     args = ["--preset", "tiny", "--steps", "1", "--warmup", "0", "--seq-length", "32"]
-    args += ["--lora-rank", "8", "--compiled-head-forward"]
+    args += ["--lora-rank", "8", "--compiled-head-forward", "--logits-checkpointing"]
     run_torchrun("tools.bench_train_step", [*args, mode, "--out", str(out)], nproc=1)
     (line,) = out.read_text().splitlines()
     result = json.loads(line)
     assert result["peer"] == "fp32" and result["layout"] == "TP1PP1DP1"
     assert result["arms"] == ("apart" if mode == "--apart" else "alternating")
     arms = ("plain_megatron", "ppo_update", "ppo_update_compiled_head_forward")
+    arms += ("ppo_update_logits_checkpointing",)
     for arm in (*arms, "ppo_update_lora", "peer_hf"):
         assert result[f"{arm}_tokens_per_s"] > 0 and result[f"{arm}_peak_gib"] > 0
     assert result["speed_compiled_head_forward_over_eager"] == pytest.approx(
         result["ppo_update_s"] / result["ppo_update_compiled_head_forward_s"], rel=0.03
+    )
+    assert result["speed_kept_probs_over_logits_checkpointing"] == pytest.approx(
+        result["ppo_update_logits_checkpointing_s"] / result["ppo_update_s"], rel=0.03
     )
     assert result["memory_lora_over_ppo"] == pytest.approx(
         result["ppo_update_lora_peak_gib"] / result["ppo_update_peak_gib"], rel=0.03
