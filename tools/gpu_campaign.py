@@ -12,7 +12,8 @@ A part is `skipped`, never passed, with the reason: no CUDA device, fewer device
 needs, or the modules it needs (named) not installed. A skip does not replace a part's
 earlier run in the report (a CPU machine, or a GPU without a module, would erase what a
 window measured): that run stays, its `skipped_since` saying since when and why it is not
-re-run. Parts (`--list` prints them):
+re-run. At the end it prints what the report says against the training step's bars and which
+open choices it decides (`tools/gpu_verdict.py`). Parts (`--list` prints them):
 
 - env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
                       always runs, also without CUDA
@@ -78,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.launch import RANKS_AS_NODES_ENV, kill_tree
+from tools import gpu_verdict
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_TIMEOUT_S = 540
@@ -154,7 +156,8 @@ def parts(work: Path) -> list[Part]:
 
     return [
         Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
-        Part("gpu_tests", ("pytest", "-q", "-m", "gpu", *GPU_TEST_FILES),
+        # -rA: every test's outcome by name in the log (tools/gpu_verdict.py reads them)
+        Part("gpu_tests", ("pytest", "-q", "-rA", "-m", "gpu", *GPU_TEST_FILES),
              needs=("pytest", *MEGATRON, *PEER)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and
@@ -442,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen = [x for x in parts(Path(tmp)) if not a.only or x.name in a.only]
         report = run_campaign(chosen, Path(a.out_dir), Path(tmp))
     print(f"gpu_campaign: report in {Path(a.out_dir) / 'report.json'}")
+    print(gpu_verdict.verdict(report, gpu_verdict.gpu_tests_log(Path(a.out_dir))), flush=True)
     if a.copy_to:
         copy_results(Path(a.out_dir), [x.name for x in chosen], Path(a.copy_to))
     records = [report["parts"][x.name] for x in chosen]

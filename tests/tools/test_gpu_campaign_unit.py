@@ -186,6 +186,10 @@ def test_a_second_only_run_merges_into_the_report(cpu_campaign, capsys):
     assert after["env"] == before["env"] and after["parts"]["env"] == before["parts"]["env"]
     assert after["parts"]["train_step_fp8"]["reason"].startswith("no CUDA device; needs")
     assert "transformer_engine" in after["parts"]["train_step_fp8"]["reason"]
+    # then what the report says against the bars (tools/gpu_verdict.py): nothing measured here
+    printed = capsys.readouterr().out
+    assert "GPU campaign report on no CUDA device" in printed
+    assert "not measured  qwen2.5-0.5b, 4 x 2,048: PPO update / peer tokens/s" in printed
 
 
 def test_a_skip_keeps_the_parts_earlier_run_and_says_since_when(tmp_path, capsys):
