@@ -156,8 +156,8 @@ def parts(work: Path) -> list[Part]:
 
     return [
         Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
-        # -rA: every test's outcome by name in the log (tools/gpu_verdict.py reads them)
-        Part("gpu_tests", ("pytest", "-q", "-rA", "-m", "gpu", *GPU_TEST_FILES),
+        # -rfEsp: every test's outcome by name in the log (tools/gpu_verdict.py reads them)
+        Part("gpu_tests", ("pytest", "-q", "-rfEsp", "-m", "gpu", *GPU_TEST_FILES),
              needs=("pytest", *MEGATRON, *PEER)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and

@@ -105,7 +105,7 @@ def criteria(report: dict) -> list[Check]:
 
 def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
     """What the window decides, by name: the change to make, or that the code stays.
-    `gpu_tests_log`: the gpu_tests part's log (`-rA` names every test's outcome)."""
+    `gpu_tests_log`: the gpu_tests part's log (`-rfEsp` names every test's outcome)."""
     kept = {
         part: row["speed_kept_probs_over_logits_checkpointing"]
         for part in ("train_step_bf16", "train_step_32k")

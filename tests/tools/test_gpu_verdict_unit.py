@@ -4,10 +4,12 @@ FAIL or not measured, and the open choices a window decides."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from tools import gpu_verdict
+from tools import gpu_campaign, gpu_verdict
 from tools.gpu_verdict import SHAPES, VARLEN_TEST, choices, criteria, verdict
 
 
@@ -114,6 +116,19 @@ def test_the_plan_is_set_beside_the_updates_own_peak(row, expected):
     """Beside the update's peak measured alone where the row has it, not the alternating
     process's (every arm's model at once: 29.8 GiB where the update alone took 16.7)."""
     assert gpu_verdict.planner_ratio(row) == expected
+
+
+@pytest.mark.parametrize(("body", "expected"), [("pass", "stays"), ("assert False", "narrow")])
+def test_the_varlen_choice_reads_pytests_own_summary_line(tmp_path, body, expected):
+    """The gpu_tests part's pytest flags (`tools.gpu_campaign`) on a test of that name."""
+    (tmp_path / "test_gpu.py").write_text(f"def {VARLEN_TEST}():\n    {body}\n")
+    (part,) = [p for p in gpu_campaign.parts(tmp_path) if p.name == "gpu_tests"]
+    flags = [a for a in part.argv[1:] if a.startswith("-") and a != "-m"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *flags, "-p", "no:cacheprovider", "test_gpu.py"],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert expected in choices({}, done.stdout)["flash_varlen"], done.stdout
 
 
 def test_the_command_reads_the_report_and_the_gpu_tests_log_beside_it(tmp_path, capsys):
