@@ -1,7 +1,7 @@
 """The GPU campaign: what only a GPU can measure, part by part, for a short GPU window.
 
-    python -m tools.gpu_campaign [--out-dir bench/gpu_campaign] [--only NAME ...] [--list]
-        [--copy-to $OUT]
+    python -m tools.gpu_campaign [--out-dir bench/gpu_campaign] [--only NAME ... |
+        --verdict-call K] [--list] [--copy-to $OUT]
 
 Every session lent a GPU runs it first and commits the report. Each part is a subprocess
 (`python -m ...` from the repository root) with its own time limit (<= 540 s, so one part
@@ -13,7 +13,8 @@ needs, or the modules it needs (named) not installed. A skip does not replace a 
 earlier run in the report (a CPU machine, or a GPU without a module, would erase what a
 window measured): that run stays, its `skipped_since` saying since when and why it is not
 re-run. At the end it prints what the report says against the training step's bars and which
-open choices it decides (`tools/gpu_verdict.py`). Parts (`--list` prints them):
+open choices it decides (`tools/gpu_verdict.py`); `--verdict-call 1`, then `2`, run every
+part that verdict reads, in two device calls (VERDICT_CALLS). Parts (`--list` prints them):
 
 - env:                versions, devices, NCCL, which packages import (tools/gpu_env.py);
                       always runs, also without CUDA
@@ -29,7 +30,8 @@ open choices it decides (`tools/gpu_verdict.py`). Parts (`--list` prints them):
                       beside the full one (`--lora-rank 16`)
 - train_step_1b_4k, train_step_16k, train_step_32k: the same at 1.4B x 8 x 4,096 and
                       0.5B x 1 x 16,384 / 32,768 tokens, every arm alone (--apart); at
-                      32k the head recomputing its logits too
+                      16k the update with the head's tile sums compiled too
+                      (`--compiled-head-forward`), at 32k the head recomputing its logits
 - profile_2k, profile_16k: one more step of each arm under torch.profiler (`--profile`): the
                       costliest kernels, the device's busy share, the host's synchronisations;
                       at 16k also the update with the head's tile sums compiled
@@ -101,6 +103,16 @@ TWO_RANKS_ONE_GPU = (
     "(LOCAL_RANK). The nccl_two_ranks_one_gpu part tries the one route left (NCCL_HOSTID "
     "per rank, two one-process torchrun nodes)"
 )
+
+
+VERDICT_CALLS = (
+    ("gpu_tests", "train_step_bf16", "train_step_16k", "head_tile"),
+    ("train_step_1b_4k", "train_step_32k", "long_cot_peer"),
+)
+"""Every part `tools.gpu_verdict` reads, as two device calls (`--verdict-call 1`, then 2):
+~430 s and ~285 s by the 2026-11-28 H200 window's part times and the arms added since, each
+inside a 10-minute call with its install, both inside a session's 15 minutes with the
+machine's start. The bars' shapes come first, so a window cut short still has them."""
 
 
 @dataclass(frozen=True)
@@ -182,10 +194,12 @@ def parts(work: Path) -> list[Part]:
                 f"train_step_{length // 1024}k",
                 (*train_step[:-1], str(length), "--micro-batch-size", "1",
                  "--num-microbatches", "1", "--steps", "3", "--warmup", "1", "--apart",
-                 *(("--logits-checkpointing",) if length == 32768 else ()), *results),
+                 extra_arm, *results),
                 needs=MEGATRON + PEER,
             )
-            for length in (16384, 32768)
+            # at 16k the update with compiled tile sums too, at 32k the head recomputing
+            for length, extra_arm in ((16384, "--compiled-head-forward"),
+                                      (32768, "--logits-checkpointing"))
         ),
         # where the PPO update's time over a plain forward-backward goes: one profiled step
         # of each arm (top kernels, the device's busy share, host synchronisations)
@@ -425,7 +439,15 @@ def describe(part: Part) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="bench/gpu_campaign", help="report.json and logs")
-    p.add_argument("--only", nargs="+", metavar="NAME", help="part names (default: all)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--only", nargs="+", metavar="NAME", help="part names (default: all)")
+    which.add_argument(
+        "--verdict-call",
+        type=int,
+        choices=range(1, len(VERDICT_CALLS) + 1),
+        help="the parts of this device call of the two that measure every bar and choice "
+        "tools.gpu_verdict reads",
+    )
     p.add_argument("--list", action="store_true", help="print the parts and exit")
     p.add_argument(
         "--copy-to",
@@ -433,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="then copy report.json and this run's logs there (the device call's $OUT)",
     )
     a = p.parse_args(argv)
+    if a.verdict_call:
+        a.only = list(VERDICT_CALLS[a.verdict_call - 1])
     names = [x.name for x in parts(Path("$WORK"))]
     unknown = sorted(set(a.only or ()) - set(names))
     if unknown:

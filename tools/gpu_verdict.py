@@ -43,6 +43,18 @@ BARS = (
     ("planned_over_measured", "planner / measured peak", 0.85, 1.15),
 )
 """(figure, what it is, lowest and highest it may be: None for no bound)."""
+PARTS_READ = (
+    "gpu_tests",
+    "train_step_bf16",
+    "train_step_16k",
+    "head_tile",
+    "train_step_1b_4k",
+    "train_step_32k",
+    "long_cot_peer",
+)
+"""Every campaign part a full verdict reads, the bars' shapes first after the GPU tests
+(`tools.gpu_campaign --verdict-call` runs them in two device calls). `profile_16k` is also
+read for the compiled head, where an older report has it from there alone."""
 LONG_COT_BAR = 1.5
 VARLEN_TEST = "test_packed_attention_in_one_flash_kernel_equals_one_call_a_segment"
 
@@ -118,7 +130,14 @@ def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
     else:
         kept_probs = f"set actor.logits_checkpointing to default true: keeping was slower ({kept})"
 
-    compiled = (result(report, "profile_16k") or {}).get("speed_compiled_head_forward_over_eager")
+    compiled = next(
+        (
+            row["speed_compiled_head_forward_over_eager"]
+            for part in ("train_step_16k", "profile_16k")
+            if "speed_compiled_head_forward_over_eager" in (row := result(report, part) or {})
+        ),
+        None,
+    )
     softmax = (result(report, "head_tile") or {}).get("speed_softmax_over_eager")
     if compiled is None:
         head_sums = "not measured"
@@ -145,8 +164,7 @@ def verdict(report: dict, gpu_tests_log: str = "") -> str:
     choices: the lines printed."""
     devices = (report.get("env") or {}).get("devices") or [{"name": "no CUDA device"}]
     lines = [f"GPU campaign report on {', '.join(d['name'] for d in devices)}"]
-    used = [part for part, _ in SHAPES] + ["long_cot_peer", "profile_16k", "head_tile"]
-    for part in [*used, "gpu_tests"]:
+    for part in [*PARTS_READ, "profile_16k"]:
         record = report.get("parts", {}).get(part)
         when = "not run" if record is None else f"{record['status']} {record.get('finished')}"
         lines.append(f"  {part}: {when}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import gpu_campaign, gpu_nccl_probe
+from tools import gpu_campaign, gpu_nccl_probe, gpu_verdict
 from tools.gpu_campaign import MAX_TIMEOUT_S, REPO, STATUSES, Part, run_campaign, skip_reason
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
@@ -112,6 +112,29 @@ def test_an_unknown_part_or_a_limit_over_540_s_is_refused_by_name(capsys):
     assert "unknown part(s) ['mfu']" in capsys.readouterr().err
     with pytest.raises(ValueError, match="part x: timeout_s=600, expected 1..540"):
         Part("x", ("json.tool",), timeout_s=600)
+
+
+def test_the_verdict_calls_run_every_part_the_verdict_reads_in_its_order():
+    names = [p.name for p in gpu_campaign.parts(Path("w"))]
+    calls = [part for call in gpu_campaign.VERDICT_CALLS for part in call]
+    assert calls == list(gpu_verdict.PARTS_READ) and set(calls) <= set(names)
+    # the compiled head's choice comes from the 16k bar's own part
+    (part,) = [p for p in gpu_campaign.parts(Path("w")) if p.name == "train_step_16k"]
+    assert "--compiled-head-forward" in part.argv and "--apart" in part.argv
+
+
+@no_cuda
+def test_a_verdict_call_runs_its_parts_alone_and_not_beside_only(tmp_path, capsys):
+    assert gpu_campaign.main(["--out-dir", str(tmp_path), "--verdict-call", "2"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["parts"]) == list(gpu_campaign.VERDICT_CALLS[1])
+    assert {p["reason"] for p in report["parts"].values()} == {"no CUDA device"}
+    capsys.readouterr()
+    for argv in (["--verdict-call", "3"], ["--verdict-call", "1", "--only", "env"]):
+        with pytest.raises(SystemExit):
+            gpu_campaign.main(argv)
+    err = capsys.readouterr().err
+    assert "invalid choice: 3" in err and "not allowed with argument" in err
 
 
 def test_skip_reasons_name_the_missing_devices_and_modules():

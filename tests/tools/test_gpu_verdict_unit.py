@@ -42,10 +42,11 @@ def test_a_window_that_meets_every_bar_passes_each_and_decides_each_choice():
     good = {part: train_step(1.1, 0.8, 1.02) for part, _ in SHAPES}
     good["train_step_bf16"]["results"][0]["speed_kept_probs_over_logits_checkpointing"] = 1.07
     good["train_step_32k"]["results"][0]["speed_kept_probs_over_logits_checkpointing"] = 1.12
+    good["train_step_16k"]["results"][0]["speed_compiled_head_forward_over_eager"] = 1.08
     r = report(
         **good,
         long_cot_peer=passed({"speedup_packed_over_peer": 2.9}),
-        profile_16k=passed({"speed_compiled_head_forward_over_eager": 1.08}),
+        head_tile=passed({"speed_softmax_over_eager": 1.1}),
         gpu_tests={"status": "passed"},
     )
     checks = criteria(r)
@@ -58,6 +59,27 @@ def test_a_window_that_meets_every_bar_passes_each_and_decides_each_choice():
     text = verdict(r, log_of("PASSED"))
     assert text.splitlines()[0] == "GPU campaign report on NVIDIA H200"
     assert "FAIL" not in text and "not measured" not in text
+    # when each part read ran (profile_16k: only an older report's source of a choice)
+    ran = [line.split(":")[0].strip() for line in text.splitlines()[1:] if line.startswith("  ")]
+    assert ran == [*gpu_verdict.PARTS_READ, "profile_16k"]
+    assert "  train_step_1b_4k: passed 2026-12-02T10:00:00" in text
+    assert "  profile_16k: not run" in text
+
+
+def test_the_compiled_heads_gain_comes_from_the_16k_bar_part_else_from_its_profile():
+    def head_sums(**parts) -> str:
+        return choices(report(**parts))["head_sums"]
+
+    compiled = {"speed_compiled_head_forward_over_eager": 0.9}
+    profiled = {"speed_compiled_head_forward_over_eager": 1.2}
+    both = head_sums(train_step_16k=train_step(1, 1, 1, **compiled), profile_16k=passed(profiled))
+    assert both == "compiled sums lost (0.9x); softmax_sums not measured"
+    assert head_sums(profile_16k=passed(profiled)).startswith("default model.use_fused_kernels")
+    # a 16k run without the compiled arm leaves the choice to the profile's figure
+    assert head_sums(train_step_16k=train_step(1, 1, 1), profile_16k=passed(compiled)).startswith(
+        "compiled sums lost (0.9x)"
+    )
+    assert head_sums(train_step_16k=train_step(1, 1, 1)) == "not measured"
 
 
 def test_each_missed_bar_fails_by_name_and_the_choices_turn():
