@@ -106,11 +106,11 @@ TWO_RANKS_ONE_GPU = (
 
 
 VERDICT_CALLS = (
-    ("gpu_tests", "train_step_bf16", "train_step_16k", "head_tile"),
+    ("env", "gpu_tests", "train_step_bf16", "train_step_16k", "head_tile"),
     ("train_step_1b_4k", "train_step_32k", "long_cot_peer"),
 )
 """Every part `tools.gpu_verdict` reads, as two device calls (`--verdict-call 1`, then 2):
-~430 s and ~285 s by the 2026-11-28 H200 window's part times and the arms added since, each
+~450 s and ~285 s by the 2026-11-28 H200 window's part times and the arms added since, each
 inside a 10-minute call with its install, both inside a session's 15 minutes with the
 machine's start. The bars' shapes come first, so a window cut short still has them."""
 

@@ -44,6 +44,7 @@ BARS = (
 )
 """(figure, what it is, lowest and highest it may be: None for no bound)."""
 PARTS_READ = (
+    "env",
     "gpu_tests",
     "train_step_bf16",
     "train_step_16k",
@@ -52,8 +53,9 @@ PARTS_READ = (
     "train_step_32k",
     "long_cot_peer",
 )
-"""Every campaign part a full verdict reads, the bars' shapes first after the GPU tests
-(`tools.gpu_campaign --verdict-call` runs them in two device calls). `profile_16k` is also
+"""Every campaign part a full verdict reads (`env`: the device it names), the bars' shapes
+first after the GPU tests (`tools.gpu_campaign --verdict-call` runs them in two device
+calls). `profile_16k` is also
 read for the compiled head, where an older report has it from there alone."""
 LONG_COT_BAR = 1.5
 VARLEN_TEST = "test_packed_attention_in_one_flash_kernel_equals_one_call_a_segment"
