@@ -55,8 +55,8 @@ PARTS_READ = (
 )
 """Every campaign part a full verdict reads (`env`: the device it names), the bars' shapes
 first after the GPU tests (`tools.gpu_campaign --verdict-call` runs them in two device
-calls). `profile_16k` is also
-read for the compiled head, where an older report has it from there alone."""
+calls). `profile_16k` is also read for the compiled head, where an older report has it
+from there alone."""
 LONG_COT_BAR = 1.5
 VARLEN_TEST = "test_packed_attention_in_one_flash_kernel_equals_one_call_a_segment"
 
@@ -81,6 +81,15 @@ def result(report: dict, part: str) -> dict | None:
     record = report.get("parts", {}).get(part, {})
     rows = record.get("results") or []
     return rows[-1] if record.get("status") == "passed" and rows else None
+
+
+def figure(report: dict, key: str, *parts: str):
+    """`key` from the first of `parts` whose result row has it, else None."""
+    for part in parts:
+        row = result(report, part) or {}
+        if key in row:
+            return row[key]
+    return None
 
 
 def check(what: str, value, low: float | None, high: float | None) -> Check:
@@ -132,15 +141,10 @@ def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
     else:
         kept_probs = f"set actor.logits_checkpointing to default true: keeping was slower ({kept})"
 
-    compiled = next(
-        (
-            row["speed_compiled_head_forward_over_eager"]
-            for part in ("train_step_16k", "profile_16k")
-            if "speed_compiled_head_forward_over_eager" in (row := result(report, part) or {})
-        ),
-        None,
+    compiled = figure(
+        report, "speed_compiled_head_forward_over_eager", "train_step_16k", "profile_16k"
     )
-    softmax = (result(report, "head_tile") or {}).get("speed_softmax_over_eager")
+    softmax = figure(report, "speed_softmax_over_eager", "head_tile")
     if compiled is None:
         head_sums = "not measured"
     elif compiled > 1.0:
