@@ -1,13 +1,19 @@
 """The GPU campaign: what only a GPU can measure, part by part, for a short GPU window.
 
     python -m tools.gpu_campaign [--out-dir bench/gpu_campaign] [--only NAME ... |
-        --verdict-call K] [--list] [--copy-to $OUT]
+        --verdict-call K] [--list] [--copy-to $OUT] [--budget-s SECONDS]
 
 Every session lent a GPU runs it first and commits the report. Each part is a subprocess
 (`python -m ...` from the repository root) with its own time limit (<= 540 s, so one part
 fits one 10-minute device call); its output goes, as it runs, to DIR/<part>.log, and after
 each part DIR/report.json is rewritten (temp file, then os.replace): a window that ends
-mid-part leaves the earlier parts' results. `--only` merges into an existing report.
+mid-part leaves the earlier parts' results; `--copy-to` copies the report and logs out after
+each part too (a device call brings back only what its $OUT holds when it ends). With
+`--budget-s` (the seconds this device call has left) each part's limit is cut to what is
+left of it, less RESERVE_S for the report, the verdict and the copy; a part that would get
+under MIN_PART_S is not started (skipped: not reached). A SIGTERM (`timeout` ending the
+call) kills the running part's tree, records it as a timeout and copies what was measured.
+`--only` merges into an existing report.
 A part is `skipped`, never passed, with the reason: no CUDA device, fewer devices than it
 needs, or the modules it needs (named) not installed. A skip does not replace a part's
 earlier run in the report (a CPU machine, or a GPU without a module, would erase what a
@@ -68,15 +74,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,13 +114,27 @@ TWO_RANKS_ONE_GPU = (
 
 
 VERDICT_CALLS = (
-    ("env", "gpu_tests", "train_step_bf16", "train_step_16k", "head_tile"),
-    ("train_step_1b_4k", "train_step_32k", "long_cot_peer"),
+    ("env", "train_step_bf16", "train_step_16k", "head_tile"),
+    ("train_step_1b_4k", "train_step_32k", "long_cot_peer", "gpu_tests"),
 )
 """Every part `tools.gpu_verdict` reads, as two device calls (`--verdict-call 1`, then 2):
-~450 s and ~285 s by the 2026-11-28 H200 window's part times and the arms added since, each
-inside a 10-minute call with its install, both inside a session's 15 minutes with the
-machine's start. The bars' shapes come first, so a window cut short still has them."""
+~370 s, and ~285 s before the GPU tests (71 s on 2026-11-28, when they were 13 of today's
+~30), by the 2026-11-28 H200 window's part times and the arms added since, each inside a
+10-minute call with its install. The bars' shapes come first and the GPU tests last, so that a window cut short (by
+`--budget-s`: a session's 15 minutes hold the machine's start too) loses the tests, not a bar."""
+RESERVE_S = 20
+"""Of a call's `--budget-s`, the seconds kept after the last part: the report, the verdict, the
+copy to $OUT."""
+MIN_PART_S = 30
+"""A part that would get fewer seconds than this of `--budget-s` is not started."""
+
+
+class CampaignStopped(Exception):
+    """A SIGTERM reached the campaign (`timeout` ending the device call)."""
+
+
+def _stop(signum, frame) -> None:
+    raise CampaignStopped(signal.Signals(signum).name)
 
 
 @dataclass(frozen=True)
@@ -316,8 +338,10 @@ def json_lines(text: str) -> list:
     return found
 
 
-def run_part(part: Part, work: Path, log: Path) -> dict:
-    """Run one part with its time limit, its output streamed to `log`; its report record."""
+def run_part(part: Part, work: Path, log: Path, timeout_s: int | None = None) -> dict:
+    """Run one part with its time limit (`timeout_s`, else its own), its output streamed to
+    `log`; its report record (`stopped`: a SIGTERM ended it, and the campaign)."""
+    limit = timeout_s or part.timeout_s
     record: dict = {"command": "python -m " + " ".join(part.argv), "log": str(log)}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(part.env)}
     start = time.perf_counter()
@@ -333,18 +357,24 @@ def run_part(part: Part, work: Path, log: Path) -> dict:
             env=env,
             start_new_session=True,
         )
+        stopped = None
         try:
-            proc.wait(timeout=part.timeout_s)
+            proc.wait(timeout=limit)
             status = "passed" if proc.returncode == 0 else "failed"
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, CampaignStopped) as e:
+            stopped = e if isinstance(e, CampaignStopped) else None
             kill_tree(proc)
             proc.wait()
             status = "timeout"
     record["status"] = status
     record["returncode"] = proc.returncode
     record["seconds"] = round(time.perf_counter() - start, 1)
-    if status == "timeout":
-        record["reason"] = f"killed after its limit of {part.timeout_s} s"
+    if stopped is not None:
+        record["reason"] = f"stopped with the campaign ({stopped}) after {record['seconds']} s"
+        record["stopped"] = True
+    elif status == "timeout":
+        cut = " (cut to fit --budget-s)" if limit < part.timeout_s else ""
+        record["reason"] = f"killed after its limit of {limit} s{cut}"
     text = log.read_text(errors="replace")
     record["results"] = json_lines(text)
     record["output_tail"] = text[-3000:]
@@ -383,14 +413,28 @@ def write_report(path: Path, report: dict) -> None:
         raise
 
 
-def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
-    """Run `plan` in order, rewriting out_dir/report.json after each part."""
+def run_campaign(
+    plan: Sequence[Part],
+    out_dir: Path,
+    work: Path,
+    deadline: float | None = None,
+    after_part: Callable[[], None] | None = None,
+) -> dict:
+    """Run `plan` in order, rewriting out_dir/report.json after each part, then calling
+    `after_part`. `deadline` (time.monotonic()): each part's limit cut to end RESERVE_S before
+    it; a part left under MIN_PART_S is skipped. A SIGTERM while a part runs ends the plan."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.json"
     report = load_report(report_path)
     devices = cuda_devices()
     for part in plan:
         reason = skip_reason(part, devices)
+        limit = part.timeout_s
+        if reason is None and deadline is not None:
+            left = int(deadline - time.monotonic()) - RESERVE_S
+            limit = min(limit, left)
+            if left < MIN_PART_S:
+                reason = f"not reached: {max(left, 0)} s of --budget-s left for it"
         if reason:
             earlier = report["parts"].get(part.name, {})
             if earlier.get("status", "skipped") != "skipped":
@@ -408,7 +452,7 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
                 from examples.tiny_model import TinyModelSpec, make_tiny_model
 
                 make_tiny_model(work / "tiny", TinyModelSpec())
-            record = run_part(part, work, out_dir / f"{part.name}.log")
+            record = run_part(part, work, out_dir / f"{part.name}.log", limit)
         record["finished"] = _now()
         report["parts"][part.name] = record
         if part.name == "env" and record["status"] == "passed" and record["results"]:
@@ -416,6 +460,11 @@ def run_campaign(plan: Sequence[Part], out_dir: Path, work: Path) -> dict:
         report["date"] = record["finished"]
         write_report(report_path, report)
         print(f"gpu_campaign: {part.name}: {record['status']} {reason or ''}".rstrip(), flush=True)
+        if after_part is not None:
+            after_part()
+        if record.get("stopped"):
+            print("gpu_campaign: stopped by a signal; the parts after it not run", flush=True)
+            break
     return report
 
 
@@ -452,9 +501,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--copy-to",
         metavar="DIR",
-        help="then copy report.json and this run's logs there (the device call's $OUT)",
+        help="copy report.json and this run's logs there after each part (the device call's $OUT)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=int,
+        metavar="SECONDS",
+        help="the seconds this run may take (what is left of the device call): each part's "
+        f"limit cut to fit, {RESERVE_S} s kept for the report, the verdict and the copy",
     )
     a = p.parse_args(argv)
+    if a.budget_s is not None and a.budget_s <= RESERVE_S + MIN_PART_S:
+        p.error(f"--budget-s {a.budget_s}: expected more than {RESERVE_S + MIN_PART_S} s")
     if a.verdict_call:
         a.only = list(VERDICT_CALLS[a.verdict_call - 1])
     names = [x.name for x in parts(Path("$WORK"))]
@@ -465,17 +523,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         for x in parts(Path("$WORK")):
             print(describe(x))
         return 0
-    with tempfile.TemporaryDirectory(prefix="gpu_campaign_") as tmp:
-        chosen = [x for x in parts(Path(tmp)) if not a.only or x.name in a.only]
-        report = run_campaign(chosen, Path(a.out_dir), Path(tmp))
-    print(f"gpu_campaign: report in {Path(a.out_dir) / 'report.json'}")
-    print(gpu_verdict.verdict(report, gpu_verdict.gpu_tests_log(Path(a.out_dir))), flush=True)
+    deadline = None if a.budget_s is None else time.monotonic() + a.budget_s
+    out_dir = Path(a.out_dir)
+    # a verdict call runs its parts in its own order (the GPU tests last); --only in the plan's
+    chosen_names = a.only if a.verdict_call else [n for n in names if not a.only or n in a.only]
+    copy = None
     if a.copy_to:
-        copy_results(Path(a.out_dir), [x.name for x in chosen], Path(a.copy_to))
-    records = [report["parts"][x.name] for x in chosen]
+        copy = functools.partial(copy_results, out_dir, chosen_names, Path(a.copy_to))
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu_campaign_") as tmp:
+            by_name = {x.name: x for x in parts(Path(tmp))}
+            chosen = [by_name[n] for n in chosen_names]
+            report = run_campaign(chosen, out_dir, Path(tmp), deadline, after_part=copy)
+    finally:  # a signal between parts too: what was measured goes out
+        signal.signal(signal.SIGTERM, previous)
+        if copy is not None:
+            copy()
+    print(f"gpu_campaign: report in {out_dir / 'report.json'}")
+    print(gpu_verdict.verdict(report, gpu_verdict.gpu_tests_log(out_dir)), flush=True)
+    records = [report["parts"].get(x.name) for x in chosen]
+    if any(r is None or r.get("stopped") or _not_reached(r) for r in records):
+        return 1  # a signal or the budget ended this run before some of its parts
     # a part skipped now whose earlier run was kept: this run skipped it
     ran = ["skipped" if "skipped_since" in r else r["status"] for r in records]
     return 0 if all(s in ("passed", "skipped") for s in ran) else 1
+
+
+def _not_reached(record: dict) -> bool:
+    reason = record.get("skipped_since", record).get("reason", "")
+    return reason.startswith("not reached")
 
 
 if __name__ == "__main__":

@@ -45,16 +45,16 @@ BARS = (
 """(figure, what it is, lowest and highest it may be: None for no bound)."""
 PARTS_READ = (
     "env",
-    "gpu_tests",
     "train_step_bf16",
     "train_step_16k",
     "head_tile",
     "train_step_1b_4k",
     "train_step_32k",
     "long_cot_peer",
+    "gpu_tests",
 )
 """Every campaign part a full verdict reads (`env`: the device it names), the bars' shapes
-first after the GPU tests (`tools.gpu_campaign --verdict-call` runs them in two device
+first, the GPU tests last (`tools.gpu_campaign --verdict-call` runs them in two device
 calls). `profile_16k` is also read for the compiled head, where an older report has it
 from there alone."""
 LONG_COT_BAR = 1.5

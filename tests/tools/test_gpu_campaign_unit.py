@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -269,6 +272,77 @@ def test_a_part_over_its_limit_is_killed_and_recorded_as_timeout(tmp_path):
     assert slow["status"] == "timeout" and slow["reason"] == "killed after its limit of 2 s"
     assert 2 <= slow["seconds"] < 30 and slow["returncode"] != 0
     assert json.loads((tmp_path / "out" / "report.json").read_text()) == report
+
+
+def test_a_budget_cuts_each_part_to_what_is_left_and_skips_a_part_it_cannot_fit(
+    tmp_path, monkeypatch
+):
+    """--budget-s: the first part's limit is cut to the budget less RESERVE_S, and the part
+    after it, with under MIN_PART_S left, is not started; each part is copied out as it ends."""
+    monkeypatch.setattr(gpu_campaign, "RESERVE_S", 1)
+    monkeypatch.setattr(gpu_campaign, "MIN_PART_S", 2)
+    copied = []
+    budget = gpu_campaign.RESERVE_S + gpu_campaign.MIN_PART_S + 3
+    plan = [Part("slow", SLEEP, gpus=0, timeout_s=60), Part("next", SLEEP, gpus=0)]
+    report = run_campaign(
+        plan,
+        tmp_path / "out",
+        tmp_path,
+        deadline=time.monotonic() + budget,
+        after_part=lambda: copied.append(sorted(p.name for p in (tmp_path / "out").iterdir())),
+    )
+    check_report_format(report)
+    slow, later = report["parts"]["slow"], report["parts"]["next"]
+    limit = gpu_campaign.MIN_PART_S + 3
+    assert slow["status"] == "timeout" and limit - 2 <= slow["seconds"] < limit + 5
+    assert re.fullmatch(
+        r"killed after its limit of \d+ s \(cut to fit --budget-s\)", slow["reason"]
+    )
+    assert later["status"] == "skipped" and later["reason"].startswith("not reached: ")
+    assert copied == [["report.json", "slow.log"], ["report.json", "slow.log"]]
+
+
+def test_a_sigterm_kills_the_running_part_and_copies_what_was_measured(tmp_path):
+    """`timeout` ending a device call: the campaign's SIGTERM kills the part's process tree,
+    records it as stopped, runs no later part, and the report and logs reach --copy-to."""
+    out, dest, pid_file = tmp_path / "out", tmp_path / "copy", tmp_path / "part.pid"
+    sleep = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    script = (
+        "import sys; from tools import gpu_campaign as g\n"
+        "g.parts = lambda work: [g.Part('env', ('json.tool', '--help'), gpus=0),\n"
+        f"    g.Part('train_step_bf16', ('timeit', '-n', '1', '-r', '1', {sleep!r}), gpus=0),\n"
+        "    g.Part('train_step_16k', ('json.tool', '--help'), gpus=0)]\n"
+        "sys.exit(g.main(['--out-dir', sys.argv[1], '--copy-to', sys.argv[2],\n"
+        "                 '--only', 'env', 'train_step_bf16', 'train_step_16k']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(out), str(dest)], cwd=REPO, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    part_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(part_pid, 0)  # the part's tree went with the campaign
+    report = json.loads((dest / "report.json").read_text())
+    check_report_format(report)
+    stopped = report["parts"]["train_step_bf16"]
+    assert stopped["status"] == "timeout" and stopped["stopped"] is True
+    assert stopped["reason"].startswith("stopped with the campaign (SIGTERM) after ")
+    assert list(report["parts"]) == ["env", "train_step_bf16"]
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "env.log",
+        "report.json",
+        "train_step_bf16.log",
+    ]
+    assert "train_step_16k: not run" in stdout  # the verdict still printed
 
 
 def test_a_failing_part_keeps_its_output_and_artifacts_are_read_as_json_lines(tmp_path):
