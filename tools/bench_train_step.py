@@ -62,7 +62,7 @@ from megatron_rl.models.gpt import PrecisionConfig
 from megatron_rl.models.lm_head import emit_hidden_states
 from megatron_rl.models.lora import LoRAConfig
 from megatron_rl.models.presets import PRESETS, param_count, preset_arch
-from megatron_rl.parallel import distributed
+from megatron_rl.parallel import distributed, vocab_fused
 from megatron_rl.procutil import exit_now
 from megatron_rl.workers.losses_config import PolicyLossConfig
 from megatron_rl.workers.optimizer import OptimConfig
@@ -243,7 +243,7 @@ def main(argv=None) -> None:
         busy = {name: profiled(name, fn) for name, fn in arms.items()} if a.profile else {}
     if a.arm:  # a child: its time, and its peak above what the process held before the models
         row = {"arm": a.arm, "seconds": median[a.arm], "peak_bytes": peak_bytes() - baseline}
-        row.update(busy.get(a.arm, {}))
+        row.update(busy.get(a.arm, {}), **fell_back())
         print(json.dumps(row), flush=True)
         distributed.destroy()
         return
@@ -260,6 +260,7 @@ def main(argv=None) -> None:
         "tokens_per_step": tokens,
         "steps": a.steps,
     }
+    result.update(fell_back())  # the alternating arms' process
     if torch.cuda.is_available() and not a.apart:
         result.update(memory_vs_plan(arch, a, ctx, torch.cuda.max_memory_allocated()))
     distributed.destroy()
@@ -272,7 +273,7 @@ def main(argv=None) -> None:
             result[f"{name}_peak_gib"] = round(row["peak_bytes"] / 2**30, 4)
             if a.apart:
                 median[name] = row["seconds"]
-                busy[name] = {k: row[k] for k in PROFILED if k in row}
+                busy[name] = {k: row[k] for k in (*PROFILED, FELL_BACK) if k in row}
         if "peak_bytes" in alone.get("ppo_update", {}) and "peak_bytes" in alone.get("peer_hf", {}):
             result["memory_ppo_over_peer"] = round(
                 alone["ppo_update"]["peak_bytes"] / alone["peer_hf"]["peak_bytes"], 4
@@ -431,6 +432,14 @@ def without_arms(parts, ppo_update) -> dict:
 
 
 PROFILED = ("profiled_s", "kernel_s", "kernel_share", "host_syncs")
+FELL_BACK = "compiled_fell_back"
+
+
+def fell_back() -> dict:
+    """{FELL_BACK: the head's compiled functions that failed in this process and ran eager
+    since (`vocab_fused.FallBack`)}, or {} where none did: an arm so timed is not the
+    compiled kernels' speed."""
+    return {FELL_BACK: sorted(set(vocab_fused.FELL_BACK))} if vocab_fused.FELL_BACK else {}
 
 
 def profiled(name: str, step) -> dict:

@@ -92,6 +92,17 @@ def figure(report: dict, key: str, *parts: str):
     return None
 
 
+def ran_eager(report: dict, *parts: str) -> list[str]:
+    """The head's compiled functions that failed and ran eager in `parts`' runs (`tools.bench
+    train_step`'s `compiled_fell_back` fields): their arms timed no compiled kernel."""
+    names = set()
+    for part in parts:
+        for key, value in (result(report, part) or {}).items():
+            if key.endswith("compiled_fell_back"):
+                names.update(value)
+    return sorted(names)
+
+
 def check(what: str, value, low: float | None, high: float | None) -> Check:
     bounds = ((">=", low), ("<=", high))
     bar = " and ".join(f"{sign} {b:g}" for sign, b in bounds if b is not None)
@@ -134,8 +145,11 @@ def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
         for part in ("train_step_bf16", "train_step_32k")
         if "speed_kept_probs_over_logits_checkpointing" in (row := result(report, part) or {})
     }
+    eager = ran_eager(report, *kept)
     if not kept:
         kept_probs = "not measured"
+    elif eager:
+        kept_probs = f"not measured: the compiled backward ran eager ({', '.join(eager)})"
     elif all(v >= 1.0 for v in kept.values()):
         kept_probs = f"keeping the head's probabilities stays the default ({kept})"
     else:
@@ -145,8 +159,11 @@ def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
         report, "speed_compiled_head_forward_over_eager", "train_step_16k", "profile_16k"
     )
     softmax = figure(report, "speed_softmax_over_eager", "head_tile")
+    eager = ran_eager(report, "train_step_16k", "profile_16k")
     if compiled is None:
         head_sums = "not measured"
+    elif eager:
+        head_sums = f"not measured: compiled forms ran eager ({', '.join(eager)})"
     elif compiled > 1.0:
         head_sums = f"default model.use_fused_kernels to on for CUDA (the update {compiled}x)"
     elif softmax is None:

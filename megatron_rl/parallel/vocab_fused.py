@@ -28,6 +28,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
+FELL_BACK: list[str] = []
+"""The functions whose compiled form failed in this process and run eager since (`FallBack`):
+`tools.bench train_step` reports them, so a compiled arm that ran eager is not read as the
+compiled kernels' speed."""
+
 LOG_FLOOR = -1.0e4
 """log of a kept exp(l - m) that underflowed to 0 is -inf; floored here, its probability
 is still 0 while -g_h (log p + H) stays finite (0 * inf would be NaN)."""
@@ -139,12 +144,11 @@ def compiled_sums(device_type: str) -> Callable[..., torch.Tensor] | None:
     )
 
 
-def _compiled(
-    fn, device_type: str, example, cpu: bool = False
-) -> Callable[..., torch.Tensor] | None:
+def _compiled(fn, device_type: str, example, cpu: bool = False) -> FallBack | None:
     """`fn` compiled, tried once on small tensors: `example(tile [4, 8], vec [4], labels)`
-    gives its arguments. Off CUDA only with `cpu` (compiling there costs each process
-    seconds, which the backward's eager form does not lose)."""
+    gives its arguments; eager again if a later call fails (`FallBack`). Off CUDA only with
+    `cpu` (compiling there costs each process seconds, which the backward's eager form does
+    not lose)."""
     if device_type not in (("cuda", "cpu") if cpu else ("cuda",)):
         return None
     if device_type == "cuda":
@@ -163,4 +167,31 @@ def _compiled(
     except Exception as e:  # noqa: BLE001 - any compiler failure: fall back, said once
         log.warning("chunked log-probs: torch.compile failed (%s); the maths runs unfused", e)
         return None
-    return fused
+    return FallBack(fused, fn)
+
+
+class FallBack:
+    """A compiled function that hands its call, and every later one, to the eager `fn` (the
+    same maths and signature, unfused) the first time it fails: the probe of `_compiled`
+    compiles one small case, a run meets others (dtypes, strides, arguments that are one
+    tensor, the recompile limit of `fullgraph`). Said once, in the log. Running out of
+    memory is not the compiler's failure: it is raised."""
+
+    def __init__(self, fused: Callable[..., torch.Tensor], fn: Callable[..., torch.Tensor]):
+        self.fused, self.fn = fused, fn
+
+    def __call__(self, *args):
+        if self.fused is not None:
+            try:
+                return self.fused(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any compiler failure: eager from now on
+                log.warning(
+                    "chunked log-probs: the compiled %s failed (%s); it runs unfused from now on",
+                    self.fn.__name__,
+                    e,
+                )
+                self.fused = None
+                FELL_BACK.append(self.fn.__name__)
+        return self.fn(*args)

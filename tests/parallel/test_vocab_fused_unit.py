@@ -81,3 +81,37 @@ def test_the_fused_tile_sums_are_the_eager_ones(calculate_entropy, kept_dtype):
     if kept_dtype is not None:
         assert_close(got_kept.float(), want_kept.float(), BF16_ONE_ROUNDING)
         assert not got_kept[:, :5].any() and not got_kept[:, 42:].any()  # the slice alone
+
+
+def test_a_compiled_form_that_fails_hands_this_and_every_later_call_to_the_eager_one(
+    caplog, monkeypatch
+):
+    """`FallBack`: a compiled function failing on a case its probe did not compile (here: it
+    raises as a compiler would) gives the eager result, says so once and is not called again;
+    running out of memory is raised, not taken for a compiler's failure."""
+    raw, labels, g = _chunk()
+    lse, g_lp = torch.logsumexp(raw, dim=-1), torch.randn(raw.shape[0], generator=g)
+    zeros = torch.zeros_like(lse)
+    args = (raw, lse, g_lp, zeros, zeros, labels, 1.0, torch.float32)
+    calls = []
+    monkeypatch.setattr(vocab_fused, "FELL_BACK", [])
+
+    def broken(*a):
+        calls.append(a)
+        raise RuntimeError("a compiler's failure")
+
+    guarded = vocab_fused.FallBack(broken, vocab_fused.chunk_logits_grad)
+    with caplog.at_level("WARNING", logger=vocab_fused.__name__):
+        first, second = guarded(*args), guarded(*args)
+    want = vocab_fused.chunk_logits_grad(*args)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert len(calls) == 1 and guarded.fused is None
+    assert vocab_fused.FELL_BACK == ["chunk_logits_grad"]  # what the benchmark reports
+    (record,) = caplog.records
+    assert "compiled chunk_logits_grad failed (a compiler's failure)" in record.getMessage()
+
+    def out_of_memory(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        vocab_fused.FallBack(out_of_memory, vocab_fused.chunk_logits_grad)(*args)

@@ -192,3 +192,21 @@ def test_the_softmax_tile_sums_give_the_eager_heads_log_probs_entropy_and_gradie
         assert vocab._chunk_sums is eager_sums
         for name, a, b in zip(("logprobs", "entropy", "hidden", "weight"), got, want, strict=True):
             assert_close(a, b, FP32_MODEL, f"{name}, kept: {keep_probs}")
+
+
+def test_the_train_step_names_compiled_functions_that_ran_eager(monkeypatch):
+    """A row's `compiled_fell_back` (and each arm's `<arm>_compiled_fell_back`): the head's
+    compiled functions that failed in that process and ran eager, which `tools.gpu_verdict`
+    reads before it makes a choice between compiled and eager arms."""
+    from megatron_rl.parallel import vocab_fused
+    from tools import bench_train_step, gpu_verdict
+
+    monkeypatch.setattr(vocab_fused, "FELL_BACK", [])
+    assert bench_train_step.fell_back() == {}
+    monkeypatch.setattr(vocab_fused, "FELL_BACK", ["tile_sums", "kept_probs_grad", "tile_sums"])
+    row = {f"ppo_update_{k}": v for k, v in bench_train_step.fell_back().items()}
+    assert row == {"ppo_update_compiled_fell_back": ["kept_probs_grad", "tile_sums"]}
+    assert gpu_verdict.ran_eager({"parts": {"p": {"status": "passed", "results": [row]}}}, "p") == [
+        "kept_probs_grad",
+        "tile_sums",
+    ]

@@ -110,6 +110,24 @@ def test_each_missed_bar_fails_by_name_and_the_choices_turn():
     assert choices(r)["head_sums"].startswith("the eager sums stay")
 
 
+def test_a_compiled_form_that_ran_eager_decides_no_choice():
+    """`tools.bench train_step` names the head's compiled functions that failed and ran eager
+    (`compiled_fell_back`): the arms then timed no compiled kernel, so neither choice that
+    compares them is made."""
+    rows = {part: train_step(1.1, 0.8, 1.02) for part, _ in SHAPES}
+    rows["train_step_bf16"]["results"][0].update(
+        speed_kept_probs_over_logits_checkpointing=1.07,
+        compiled_fell_back=["kept_probs_grad"],
+    )
+    rows["train_step_16k"]["results"][0].update(
+        speed_compiled_head_forward_over_eager=1.08,
+        ppo_update_compiled_head_forward_compiled_fell_back=["tile_sums"],
+    )
+    made = choices(report(**rows))
+    assert made["kept_probs"] == "not measured: the compiled backward ran eager (kept_probs_grad)"
+    assert made["head_sums"] == "not measured: compiled forms ran eager (tile_sums)"
+
+
 def test_what_did_not_run_is_not_measured_never_a_pass():
     """A part missing, failed, or without the figure; the varlen test absent from the log."""
     r = report(
