@@ -190,8 +190,9 @@ def parts(work: Path) -> list[Part]:
 
     return [
         Part("env", ("tools.gpu_env",), gpus=0, timeout_s=120),
-        # -rfEsp: every test's outcome by name in the log (tools/gpu_verdict.py reads them)
-        Part("gpu_tests", ("pytest", "-q", "-rfEsp", "-m", "gpu", *GPU_TEST_FILES),
+        # -v: each test's outcome by name as it ends (a run cut by --budget-s keeps those);
+        # -rfEsp: all of them again in the summary (tools/gpu_verdict.py reads either)
+        Part("gpu_tests", ("pytest", "-v", "-rfEsp", "-m", "gpu", *GPU_TEST_FILES),
              needs=("pytest", *MEGATRON, *PEER)),
         # ours against the plain-PyTorch peer (transformers + SDPA + fused AdamW, mixed
         # precision), each arm's peak memory alone: 0.5B x 4 x 2k, then the long shapes; and

@@ -173,13 +173,23 @@ def choices(report: dict, gpu_tests_log: str = "") -> dict[str, str]:
     else:
         head_sums = f"the eager sums stay (compiled {compiled}x, softmax_sums {softmax}x)"
 
-    outcome = re.search(rf"^(PASSED|FAILED|ERROR|SKIPPED).*::{VARLEN_TEST}\b", gpu_tests_log, re.M)
     flash_varlen = {
         "PASSED": "packed attention stays in the variable-length flash kernel",
         "FAILED": "narrow flash_varlen_runs: its GPU test failed",
         "ERROR": "narrow flash_varlen_runs: its GPU test failed",
-    }.get(outcome and outcome.group(1), "not measured")
+    }.get(outcome_of(gpu_tests_log, VARLEN_TEST), "not measured")
     return {"kept_probs": kept_probs, "head_sums": head_sums, "flash_varlen": flash_varlen}
+
+
+def outcome_of(log: str, name: str) -> str | None:
+    """PASSED, FAILED, ERROR or SKIPPED: test `name`'s outcome in a pytest log, from the
+    summary line (`-rfEsp`: "PASSED path::name") or, in a run cut before its summary, the
+    line `-v` wrote as it ended ("path::name PASSED [ 40%]"); None where neither is."""
+    outcomes = "PASSED|FAILED|ERROR|SKIPPED"
+    found = re.search(rf"^({outcomes})\b.*::{name}\b", log, re.M) or re.search(
+        rf"^\S*::{name}\b\S* ({outcomes})\b", log, re.M
+    )
+    return found and found.group(1)
 
 
 def verdict(report: dict, gpu_tests_log: str = "") -> str:
