@@ -448,7 +448,7 @@ def run_campaign(
                 continue
             record = {"status": "skipped", "reason": reason}
         else:
-            print(f"gpu_campaign: {part.name} (limit {part.timeout_s} s) ...", flush=True)
+            print(f"gpu_campaign: {part.name} (limit {limit} s) ...", flush=True)
             if part.tiny_model and not (work / "tiny").exists():
                 from examples.tiny_model import TinyModelSpec, make_tiny_model
 
